@@ -1,0 +1,69 @@
+"""The command line, end to end on a model trained on Multi30k, and loading in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+
+from vaswani_transformer.cli import main
+
+SENTENCE = "A man is riding a bicycle down the street."
+
+
+def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir, multi30k_dir, tmp_path, capsys):
+    source, reference = tmp_path / "test.en", tmp_path / "test.de"
+    source.write_text("\n".join((multi30k_dir / "test_2016_flickr.en").read_text().splitlines()[:40]) + "\n")
+    reference.write_text("\n".join((multi30k_dir / "test_2016_flickr.de").read_text().splitlines()[:40]) + "\n")
+    output = tmp_path / "hypotheses.de"
+    status = main(
+        ["evaluate", "--model", str(trained_model_dir), "--source", str(source), "--reference", str(reference),
+         "--output", str(output), "--batch-size", "16"]
+    )  # fmt: skip
+    assert status == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sentences"] == 40 and 0 <= result["bleu"] <= 100
+    assert "tok:13a" in result["signature"] and "case:mixed" in result["signature"]
+    hypotheses = output.read_text().splitlines()
+    assert len(hypotheses) == 40 and sum(bool(h) for h in hypotheses) > 30
+
+
+def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_path, capsys):
+    (tmp_path / "s").write_text("a\nb\n")
+    (tmp_path / "r").write_text("a\n")
+    status = main(["evaluate", "--model", str(trained_model_dir), "--source", str(tmp_path / "s"),
+                   "--reference", str(tmp_path / "r")])  # fmt: skip
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "has 2 lines" in error and "has 1" in error and "Traceback" not in error
+
+
+def test_translate_reads_stdin_and_writes_one_line_per_input(trained_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(trained_model_dir),
+         "--num-beams", "2"],
+        input=f"{SENTENCE}\n\nTwo dogs play in the snow.\n", capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and lines[0] and lines[1] == "" and lines[2]
+
+
+def test_saved_directory_loads_with_auto_classes_and_pipeline_in_a_new_process(trained_model_dir):
+    script = f"""
+import vaswani_transformer
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+path = {str(trained_model_dir)!r}
+config = AutoConfig.from_pretrained(path)
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForSeq2SeqLM.from_pretrained(path)
+assert type(model).__name__ == "VaswaniForConditionalGeneration", type(model)
+ids = model.generate(**tokenizer({SENTENCE!r}, return_tensors="pt"))
+direct = tokenizer.decode(ids[0], skip_special_tokens=True)
+translator = pipeline("translation", model=path, trust_remote_code=True)
+piped = translator({SENTENCE!r})[0]["translation_text"]
+assert piped == direct and piped, (piped, direct)
+print(piped)
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip()

@@ -1,0 +1,57 @@
+"""Reading parallel corpora and batching them by tokens (§5.1)."""
+
+import numpy as np
+import pytest
+
+from vaswani_transformer.data import TokenBatchSampler, lengths_of, load_parallel_corpus, tokenize_corpus
+
+
+def test_multi30k_directory_loads_every_split_aligned(corpus, multi30k_dir):
+    assert corpus["train"].num_rows == 29000
+    assert corpus["validation"].num_rows == 1014
+    assert corpus["test_2016_flickr"].num_rows == 1000
+    first_en = (multi30k_dir / "train.en").read_text(encoding="utf-8").splitlines()[123]
+    first_de = (multi30k_dir / "train.de").read_text(encoding="utf-8").splitlines()[123]
+    assert corpus["train"][123] == {"en": first_en, "de": first_de}
+
+
+def test_explicit_files_and_a_mismatched_line_count(tmp_path, multi30k_dir):
+    source, target = tmp_path / "a.en", tmp_path / "a.de"
+    source.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    target.write_text("eins\nzwei\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"a\.en has 3 lines and .*a\.de has 2"):
+        load_parallel_corpus("", "en", "de", files={"train": (source, target)})
+    target.write_text("eins\nzwei\ndrei\n", encoding="utf-8")
+    corpus = load_parallel_corpus("", "en", "de", files={"train": (source, target)})
+    assert corpus["train"]["de"] == ["eins", "zwei", "drei"]
+
+
+def test_missing_training_split_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="No training split"):
+        load_parallel_corpus(tmp_path, "en", "de")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_parallel_corpus("", "en", "de", files={"train": (tmp_path / "x.en", tmp_path / "x.de")})
+
+
+def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_lengths(corpus, tokenizer):
+    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de")
+    source_lengths, target_lengths = lengths_of(tokenized["train"])
+    sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=3)
+    batches = list(sampler)
+    longest = np.maximum(source_lengths, target_lengths)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(source_lengths)))
+    assert all(len(batch) * longest[batch].max() <= 1024 for batch in batches)
+    real = sum(int(source_lengths[b].sum() + target_lengths[b].sum()) for b in map(np.array, batches))
+    padded = sum(2 * len(b) * int(longest[b].max()) for b in map(np.array, batches))
+    assert real / padded > 0.85, "sentences of similar length should be batched together"
+    sampler.set_epoch(1)
+    assert list(sampler) != batches, "each epoch draws a new order"
+
+
+def test_training_pairs_that_are_too_long_or_empty_are_dropped(tmp_path, tokenizer):
+    source, target = tmp_path / "t.en", tmp_path / "t.de"
+    source.write_text("A dog.\n\n" + "word " * 100 + "\nA cat.\n", encoding="utf-8")
+    target.write_text("Ein Hund.\nLeer\nWort\nEine Katze.\n", encoding="utf-8")
+    corpus = load_parallel_corpus("", "en", "de", files={"train": (source, target)})
+    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=50)
+    assert tokenized["train"]["de"] == ["Ein Hund.", "Eine Katze."]

@@ -1,0 +1,254 @@
+"""The model against §3 of the paper, on real Multi30k sentences."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from transformers import AutoModelForSeq2SeqLM
+
+from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_transformer.modeling_vaswani import (
+    SinusoidalPositionalEncoding,
+    label_smoothed_cross_entropy,
+    shift_tokens_right,
+)
+
+
+def _batch(tokenizer, sources, targets):
+    encoded = tokenizer(list(sources), text_target=list(targets), padding=True, return_tensors="pt")
+    encoded["labels"] = encoded["labels"].masked_fill(encoded["labels"] == tokenizer.pad_token_id, -100)
+    return encoded
+
+
+def test_positional_encoding_is_the_formula_of_section_3_5():
+    d_model = 16
+    encoding = SinusoidalPositionalEncoding(d_model)(torch.arange(50))
+    expected = torch.empty(50, d_model, dtype=torch.float64)
+    for pos in range(50):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)
+            expected[pos, 2 * i] = math.sin(angle)
+            expected[pos, 2 * i + 1] = math.cos(angle)
+    torch.testing.assert_close(encoding.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_positional_encoding_has_no_length_limit():
+    encoding = SinusoidalPositionalEncoding(8)
+    far = encoding(torch.tensor([100_000]))
+    assert far.shape == (1, 8) and torch.isfinite(far).all()
+    torch.testing.assert_close(encoding(torch.arange(3)), encoding(torch.arange(5))[:3])
+
+
+def test_embeddings_are_scaled_by_sqrt_d_model(tokenizer):
+    model = tiny_model(tokenizer)
+    ids = torch.tensor([[5, 6, 7]])
+    embedded = model.model.encoder.embeddings(ids)
+    expected = model.model.shared(ids) * math.sqrt(32) + SinusoidalPositionalEncoding(32)(torch.arange(3))
+    torch.testing.assert_close(embedded, expected)
+
+
+def test_attention_projections_have_no_bias():
+    model = tiny_model()
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "out_proj")):
+            assert module.bias is None, name
+
+
+def test_one_embedding_matrix_for_source_target_and_softmax_also_after_save_and_load(tokenizer, tmp_path):
+    model = tiny_model(tokenizer)
+    uses = [
+        model.model.encoder.embeddings.embed_tokens.weight,
+        model.model.decoder.embeddings.embed_tokens.weight,
+        model.lm_head.weight,
+    ]
+    assert all(use is model.model.shared.weight for use in uses)
+    with torch.no_grad():
+        model.model.shared.weight[7] += 1.0  # a change through one use shows in all
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    shared = loaded.model.shared.weight
+    assert loaded.model.encoder.embeddings.embed_tokens.weight is shared
+    assert loaded.model.decoder.embeddings.embed_tokens.weight is shared
+    assert loaded.lm_head.weight is shared
+    torch.testing.assert_close(shared, model.model.shared.weight)
+
+
+def test_padded_batch_gives_the_same_outputs_as_each_sentence_alone(tokenizer, test_sentences):
+    model = tiny_model(tokenizer)
+    sources, targets = test_sentences
+    batch = _batch(tokenizer, sources, targets)
+    assert (batch["attention_mask"] == 0).any(), "the batch should contain padding"
+    with torch.no_grad():
+        batched = model(**batch)
+        for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
+            alone = model(**_batch(tokenizer, [source], [target]))
+            length = alone.logits.shape[1]
+            torch.testing.assert_close(batched.logits[i, :length], alone.logits[0], atol=1e-5, rtol=1e-5)
+            source_length = int(batch["attention_mask"][i].sum())
+            torch.testing.assert_close(
+                batched.encoder_last_hidden_state[i, :source_length],
+                alone.encoder_last_hidden_state[0],
+                atol=1e-5,
+                rtol=1e-5,
+            )
+
+
+def test_unpadded_encoder_is_not_causal(tokenizer, test_sentences):
+    # The SDPA path masks causally any module without is_causal=False; changing the last source token
+    # must change the encoding of the first.
+    model = tiny_model(tokenizer)
+    ids = tokenizer(test_sentences[0][0], return_tensors="pt")["input_ids"]
+    changed = ids.clone()
+    changed[0, -2] = (changed[0, -2] + 1) % len(tokenizer)
+    with torch.no_grad():
+        first = model.model.encoder(input_ids=ids).last_hidden_state[0, 0]
+        second = model.model.encoder(input_ids=changed).last_hidden_state[0, 0]
+    assert not torch.allclose(first, second)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_later_decoder_inputs_never_change_earlier_logits(tokenizer, test_sentences, attn_implementation):
+    model = tiny_model(tokenizer, attn_implementation=attn_implementation)
+    batch = _batch(tokenizer, test_sentences[0][:2], test_sentences[1][:2])
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+    changed = decoder_input_ids.clone()
+    changed[:, 5:] = torch.randint(4, len(tokenizer), changed[:, 5:].shape)
+    with torch.no_grad():
+        original = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=decoder_input_ids).logits
+        altered = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=changed).logits
+    torch.testing.assert_close(original[:, :5], altered[:, :5], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(original[:, 5:], altered[:, 5:])
+
+
+def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences):
+    model = tiny_model(tokenizer)
+    batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+    with torch.no_grad():
+        full = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=decoder_input_ids).logits
+        encoder_outputs = model.get_encoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        cache, steps = None, []
+        for t in range(decoder_input_ids.shape[1]):
+            out = model(
+                attention_mask=batch["attention_mask"],
+                encoder_outputs=encoder_outputs,
+                decoder_input_ids=decoder_input_ids[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_label_smoothed_loss_equals_a_hand_computed_value():
+    # Vocabulary of 3, epsilon 0.1: the target distribution is 0.9 one-hot + 0.1 / 3 everywhere.
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]]])
+    labels = torch.tensor([[0, -100]])  # the second position is padding
+    log_z = math.log(math.exp(2.0) + math.exp(0.0) + math.exp(-1.0))
+    log_p = [2.0 - log_z, 0.0 - log_z, -1.0 - log_z]
+    expected = -(0.9 + 0.1 / 3) * log_p[0] - (0.1 / 3) * (log_p[1] + log_p[2])
+    loss = label_smoothed_cross_entropy(logits, labels, epsilon=0.1)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    summed = label_smoothed_cross_entropy(logits, labels, epsilon=0.1, num_items_in_batch=4)
+    assert summed.item() == pytest.approx(expected / 4, rel=1e-6)
+
+
+def test_model_loss_ignores_padding_and_uses_the_configured_epsilon(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, label_smoothing=0.2)
+    batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
+    with torch.no_grad():
+        out = model(**batch)
+    mask = batch["labels"] != -100
+    log_probs = F.log_softmax(out.logits, dim=-1)[mask]
+    targets = batch["labels"][mask]
+    nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
+    smooth = -log_probs.mean(dim=-1)
+    expected = ((1 - 0.2) * nll + 0.2 * smooth).mean()
+    torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shift_tokens_right_starts_with_the_decoder_start_token():
+    labels = torch.tensor([[10, 11, 2, -100]])
+    assert shift_tokens_right(labels, pad_token_id=0, decoder_start_token_id=1).tolist() == [[1, 10, 11, 2]]
+
+
+def test_sdpa_and_eager_attention_agree_and_eager_returns_every_attention_map(tokenizer, test_sentences):
+    batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
+    sdpa = tiny_model(tokenizer, seed=3)
+    eager = tiny_model(tokenizer, seed=3, attn_implementation="eager")
+    with torch.no_grad():
+        a = sdpa(**batch)
+        b = eager(**batch, output_attentions=True)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    source_len, target_len = batch["input_ids"].shape[1], batch["labels"].shape[1]
+    assert len(b.encoder_attentions) == len(b.decoder_attentions) == len(b.cross_attentions) == 2
+    assert b.encoder_attentions[0].shape == (3, 4, source_len, source_len)
+    assert b.decoder_attentions[0].shape == (3, 4, target_len, target_len)
+    assert b.cross_attentions[0].shape == (3, 4, target_len, source_len)
+    torch.testing.assert_close(b.cross_attentions[1].sum(-1), torch.ones(3, 4, target_len))
+    # Padding gets no attention, and no position attends to a later one.
+    padding = batch["attention_mask"] == 0
+    assert b.encoder_attentions[0].masked_select(padding[:, None, None, :]).abs().max() == 0
+    assert torch.triu(b.decoder_attentions[0], diagonal=1).abs().max() == 0
+
+
+def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, seed=5)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=12)
+    for row, (ids, mask) in enumerate(zip(inputs["input_ids"], inputs["attention_mask"], strict=True)):
+        decoded = torch.tensor([[model.config.decoder_start_token_id]])
+        with torch.no_grad():
+            for _ in range(12):
+                logits = model(input_ids=ids[None], attention_mask=mask[None], decoder_input_ids=decoded).logits
+                next_id = logits[0, -1].argmax()
+                decoded = torch.cat([decoded, next_id.view(1, 1)], dim=1)
+                if next_id == model.config.eos_token_id:
+                    break
+        expected = decoded[0].tolist()
+        assert generated[row, : len(expected)].tolist() == expected
+        assert (generated[row, len(expected) :] == model.config.pad_token_id).all()
+
+
+def test_beam_search_with_one_beam_equals_greedy_decoding(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, seed=6)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    greedy = model.generate(**inputs, num_beams=1, max_new_tokens=10)
+    beam = model.generate(**inputs, num_beams=1, length_penalty=0.6, early_stopping=True, max_new_tokens=10)
+    assert torch.equal(greedy, beam)
+
+
+def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, seed=7)
+    inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
+    with_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=True)
+    without_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=False)
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_config_rejects_impossible_values_naming_the_field():
+    with pytest.raises(ValueError, match="d_model.*num_attention_heads"):
+        VaswaniConfig(d_model=100, num_attention_heads=8)
+    with pytest.raises(ValueError, match="dropout"):
+        VaswaniConfig(dropout=1.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        VaswaniConfig(label_smoothing=-0.1)
+    with pytest.raises(ValueError, match="d_ff"):
+        VaswaniConfig(d_ff=0)
+    with pytest.raises(ValueError, match="encoder_layers"):
+        VaswaniConfig(encoder_layers=-2)
+    with pytest.raises(ValueError, match="Unknown preset"):
+        VaswaniConfig.from_preset("huge")
+
+
+def test_presets_are_table_3():
+    base, big = VaswaniConfig.from_preset("base"), VaswaniConfig.from_preset("big")
+    assert (base.encoder_layers, base.d_model, base.d_ff, base.num_attention_heads, base.dropout) == (6, 512, 2048, 8, 0.1)
+    assert (big.encoder_layers, big.d_model, big.d_ff, big.num_attention_heads, big.dropout) == (6, 1024, 4096, 16, 0.3)
+    assert base.head_dim == 64 and big.head_dim == 64
+    model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset("base"))
+    # Table 3 reports 65M parameters for the base model with its 37,000-token vocabulary.
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(65e6, rel=0.05)

@@ -1,0 +1,74 @@
+"""The §5 recipe: schedule, optimizer settings, and a short real training run."""
+
+import json
+
+import pytest
+import torch
+from conftest import read_log
+from safetensors.torch import load_file
+
+from vaswani_transformer.training import (
+    TrainingConfig,
+    average_checkpoints,
+    inverse_square_root_schedule,
+)
+
+
+def test_learning_rate_schedule_is_equation_3():
+    rate = inverse_square_root_schedule(d_model=512, warmup_steps=4000)
+    for step in (1, 100, 3999, 4000, 4001, 100_000):
+        expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+        assert rate(step - 1) == pytest.approx(expected)
+    peak = max(range(1, 10_000), key=lambda s: rate(s - 1))
+    assert peak == 4000
+
+
+def test_a_short_training_run_on_multi30k_lowers_the_validation_loss(trained_model_dir):
+    log = read_log(trained_model_dir)
+    assert [record["step"] for record in log] == [20, 40, 60]
+    losses = [record["validation_loss"] for record in log]
+    assert losses[-1] < losses[0] - 0.5, losses
+    saved = json.loads((trained_model_dir / "training_config.json").read_text())
+    assert saved["adam_beta2"] == 0.98 and saved["adam_epsilon"] == 1e-9
+
+
+def test_trained_directory_holds_model_tokenizer_generation_config_and_code(trained_model_dir):
+    names = {path.name for path in trained_model_dir.iterdir()}
+    expected = {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "modeling_vaswani.py",
+        "configuration_vaswani.py",
+        "pipeline_translation.py",
+    }
+    assert expected <= names
+    assert "checkpoints" not in names
+    generation = json.loads((trained_model_dir / "generation_config.json").read_text())
+    assert generation["num_beams"] == 4 and generation["length_penalty"] == 0.6
+
+
+def test_checkpoint_averaging_is_the_mean_of_the_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"step-{i}.safetensors"
+        save_file({"w": torch.full((2, 2), float(i)), "b": torch.tensor([i * 3.0])}, path)
+        paths.append(path)
+    average = average_checkpoints(paths)
+    torch.testing.assert_close(average["w"], torch.full((2, 2), 1.0))
+    torch.testing.assert_close(average["b"], torch.tensor([3.0]))
+    save_file({"other": torch.zeros(1)}, tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="same tensors"):
+        average_checkpoints([paths[0], tmp_path / "bad.safetensors"])
+    assert load_file(paths[0])["w"].sum() == 0
+
+
+def test_training_config_needs_a_budget():
+    with pytest.raises(ValueError, match="budget"):
+        TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o")
+    with pytest.raises(ValueError, match="max_tokens"):
+        TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1, max_tokens=0)

@@ -1,0 +1,182 @@
+"""The `vaswani-transformer` command: train, evaluate, translate.
+
+A thin layer over the library: each subcommand parses its options and calls one function.
+Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .configuration_vaswani import PRESETS
+
+
+def _model_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default: 64)")
+    parser.add_argument(
+        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
+    )
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `vaswani-transformer` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="vaswani-transformer",
+        description="Train, evaluate and run the Transformer of 'Attention Is All You Need'.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a translator on a parallel corpus (§5)")
+    source = train.add_argument_group("corpus")
+    source.add_argument(
+        "--data-dir",
+        default=None,
+        help="directory with train.<lang>, val.<lang> and test*.<lang> files, one sentence per line, aligned by line",
+    )
+    source.add_argument("--dataset", default=None, help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
+    source.add_argument("--dataset-config", default=None, help="configuration of --dataset, e.g. de-en")
+    source.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
+    source.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
+    source.add_argument("--source-lang", required=True, help="source language code, the file extension (e.g. en)")
+    source.add_argument("--target-lang", required=True, help="target language code (e.g. de)")
+    train.add_argument("--output-dir", required=True, help="where the model, tokenizer and logs are written")
+    model = train.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(PRESETS), default="base", help="model size (default: base, Table 3)")
+    model.add_argument(
+        "--model-option",
+        type=_model_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a VaswaniConfig field, e.g. dropout=0.2 (repeatable)",
+    )
+    model.add_argument("--tokenizer", default=None, help="existing tokenizer directory (default: train a BPE one)")
+    model.add_argument("--vocab-size", type=int, default=37000, help="BPE vocabulary size in tokens (default: 37000)")
+    recipe = train.add_argument_group("recipe")
+    recipe.add_argument("--max-length", type=int, default=256, help="longest training sentence in tokens (default: 256)")
+    recipe.add_argument(
+        "--max-tokens", type=int, default=4096, help="padded tokens per batch, per side and device (default: 4096)"
+    )
+    recipe.add_argument("--warmup-steps", type=int, default=4000, help="learning-rate warm-up steps (default: 4000)")
+    recipe.add_argument(
+        "--learning-rate-scale", type=float, default=1.0, help="factor on the §5.3 learning rate (default: 1)"
+    )
+    recipe.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    recipe.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes of training")
+    recipe.add_argument("--eval-steps", type=int, default=500, help="validation loss every N steps (default: 500)")
+    recipe.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
+    recipe.add_argument(
+        "--average-last", type=int, default=5, help="average the last N checkpoints into the model (default: 5)"
+    )
+    recipe.add_argument(
+        "--mixed-precision", choices=["no", "bf16", "fp16"], default="no", help="Accelerate's mixed precision"
+    )
+    recipe.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
+
+    evaluate = commands.add_parser("evaluate", help="translate a test set and report sacreBLEU")
+    evaluate.add_argument("--model", required=True, help="model directory or Hub id")
+    evaluate.add_argument("--source", required=True, help="source sentences, one per line")
+    evaluate.add_argument("--reference", required=True, help="reference translations, aligned by line")
+    evaluate.add_argument("--output", default=None, help="file for the translations (default: none)")
+    _add_decoding_options(evaluate)
+
+    translate = commands.add_parser("translate", help="translate lines from a file or stdin to stdout")
+    translate.add_argument("--model", required=True, help="model directory or Hub id")
+    translate.add_argument("--input", default="-", help="file of sentences, one per line; - for stdin (default)")
+    _add_decoding_options(translate)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    from .training import TrainingConfig, train
+
+    files = {}
+    if args.train_files:
+        files["train"] = tuple(args.train_files)
+    if args.validation_files:
+        files["validation"] = tuple(args.validation_files)
+    if bool(args.data_dir) == bool(args.dataset) and not files:
+        raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
+    config = TrainingConfig(
+        data=args.data_dir or args.dataset or "",
+        files=files,
+        dataset_config=args.dataset_config,
+        source_lang=args.source_lang,
+        target_lang=args.target_lang,
+        output_dir=args.output_dir,
+        preset=args.preset,
+        model_overrides=dict(args.model_option),
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        max_length=args.max_length,
+        max_tokens=args.max_tokens,
+        warmup_steps=args.warmup_steps,
+        learning_rate_scale=args.learning_rate_scale,
+        max_steps=args.max_steps,
+        max_minutes=args.max_minutes,
+        eval_steps=args.eval_steps,
+        save_steps=args.save_steps,
+        average_last=args.average_last,
+        mixed_precision=args.mixed_precision,
+        seed=args.seed,
+    )
+    print(train(config))
+
+
+def _generate_kwargs(args: argparse.Namespace) -> dict:
+    return {} if args.num_beams is None else {"num_beams": args.num_beams}
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from .evaluation import corpus_bleu, load_translator, read_lines, translate
+
+    sources, references = read_lines(args.source), read_lines(args.reference)
+    if len(sources) != len(references):
+        raise ValueError(
+            f"{args.source} has {len(sources)} lines but {args.reference} has {len(references)}; they must be aligned."
+        )
+    model, tokenizer = load_translator(args.model, args.device)
+    hypotheses = translate(model, tokenizer, sources, args.batch_size, progress=True, **_generate_kwargs(args))
+    if args.output:
+        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    bleu = corpus_bleu(hypotheses, references)
+    print(json.dumps({"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}))
+
+
+def _translate(args: argparse.Namespace) -> None:
+    from .evaluation import load_translator, translate_stream
+
+    model, tokenizer = load_translator(args.model, args.device)
+    lines = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    with lines:
+        for translation in translate_stream(model, tokenizer, lines, args.batch_size, **_generate_kwargs(args)):
+            print(translation, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `vaswani-transformer` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    command = {"train": _train, "evaluate": _evaluate, "translate": _translate}[args.command]
+    try:
+        command(args)
+    except (ValueError, OSError) as error:
+        print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

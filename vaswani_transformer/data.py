@@ -1,0 +1,246 @@
+"""Parallel corpora as `datasets` tables, their tokenization, and token-based batches (§5.1).
+
+Every per-sentence operation runs on Arrow tables through `datasets` (`load_dataset`, `map`),
+so a corpus of millions of sentence pairs is never held as Python objects; the batch sampler
+keeps only two integer arrays of lengths.
+"""
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+# File stems that name the validation split of a corpus directory, besides "validation".
+VALIDATION_STEMS = ("validation", "valid", "val", "dev")
+
+
+def _find_split_files(data_dir: Path, source_lang: str, target_lang: str) -> dict[str, tuple[Path, Path]]:
+    """Map split names to (source file, target file) for `<stem>.<lang>` files in a directory."""
+    splits: dict[str, tuple[Path, Path]] = {}
+    for source_file in sorted(data_dir.glob(f"*.{source_lang}")):
+        stem = source_file.name[: -len(source_lang) - 1]
+        target_file = data_dir / f"{stem}.{target_lang}"
+        if not target_file.is_file():
+            continue
+        if stem == "train":
+            splits["train"] = (source_file, target_file)
+        elif stem in VALIDATION_STEMS:
+            splits["validation"] = (source_file, target_file)
+        elif stem.startswith("test"):
+            splits[stem] = (source_file, target_file)
+    return splits
+
+
+def _read_aligned_files(source_file: Path, target_file: Path, source_lang: str, target_lang: str) -> datasets.Dataset:
+    """One Arrow table with a column per language from two line-aligned text files."""
+    for path in (source_file, target_file):
+        if not path.is_file():
+            raise FileNotFoundError(f"Parallel corpus file {path} does not exist.")
+        if path.stat().st_size == 0:
+            raise ValueError(f"Parallel corpus file {path} is empty.")
+    columns = []
+    for path, lang in ((source_file, source_lang), (target_file, target_lang)):
+        table = datasets.load_dataset("text", data_files=str(path), split="train", keep_in_memory=False)
+        columns.append(table.rename_column("text", lang))
+    if columns[0].num_rows != columns[1].num_rows:
+        raise ValueError(
+            f"Parallel files must have one sentence per line, aligned by line, but {source_file} has "
+            f"{columns[0].num_rows} lines and {target_file} has {columns[1].num_rows}."
+        )
+    return datasets.concatenate_datasets(columns, axis=1)
+
+
+def load_parallel_corpus(
+    data: str | os.PathLike,
+    source_lang: str,
+    target_lang: str,
+    dataset_config: str | None = None,
+    files: dict[str, tuple[str, str]] | None = None,
+) -> datasets.DatasetDict:
+    """Load a parallel corpus as a `DatasetDict` with one string column per language.
+
+    Args:
+        data: a directory holding `train.<lang>`, `val.<lang>` (or `valid`, `dev`, `validation`) and
+            `test*.<lang>` files, one sentence per line and aligned by line; or a Hub dataset id
+            (with a `translation` column of `{lang: text}` dicts, as WMT14 and OPUS have, or one
+            column per language). May be empty when `files` gives every split.
+        source_lang, target_lang: language codes, the file extensions or dict keys.
+        dataset_config: configuration name of a Hub dataset (e.g. "de-en" for WMT14).
+        files: explicit `{split: (source_file, target_file)}`, added to or replacing those found in `data`.
+
+    Returns:
+        `DatasetDict` with splits "train", "validation" and any test splits, each with columns
+        `source_lang` and `target_lang`.
+
+    Raises:
+        FileNotFoundError: a named file or directory does not exist.
+        ValueError: a file is empty, two aligned files differ in line count (both counts are
+            named), or the dataset has no training split or no column for a language.
+    """
+    splits: dict[str, datasets.Dataset] = {}
+    if data and Path(data).is_dir():
+        for split, (source_file, target_file) in _find_split_files(Path(data), source_lang, target_lang).items():
+            splits[split] = _read_aligned_files(source_file, target_file, source_lang, target_lang)
+    elif data and (Path(data).exists() or os.sep in str(data) and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(data))):
+        raise FileNotFoundError(f"{data} is not a directory of parallel text files nor a Hub dataset id.")
+    elif data:
+        splits.update(_load_hub_corpus(str(data), source_lang, target_lang, dataset_config))
+    for split, (source_file, target_file) in (files or {}).items():
+        splits[split] = _read_aligned_files(Path(source_file), Path(target_file), source_lang, target_lang)
+    if "train" not in splits:
+        raise ValueError(
+            f"No training split found in {data!r}: expected files train.{source_lang} and train.{target_lang}, "
+            "a Hub dataset with a 'train' split, or explicit training files."
+        )
+    return datasets.DatasetDict(splits)
+
+
+def _load_hub_corpus(
+    dataset_id: str, source_lang: str, target_lang: str, dataset_config: str | None
+) -> dict[str, datasets.Dataset]:
+    loaded = datasets.load_dataset(dataset_id, dataset_config)
+    splits = {}
+    for split, table in loaded.items():
+        if "translation" in table.column_names:
+            table = table.flatten()
+            table = table.rename_columns({f"translation.{lang}": lang for lang in (source_lang, target_lang)})
+        missing = [lang for lang in (source_lang, target_lang) if lang not in table.column_names]
+        if missing:
+            raise ValueError(
+                f"Dataset {dataset_id} split {split} has no column for {', '.join(missing)}; "
+                f"its columns are {table.column_names}."
+            )
+        splits["validation" if split in VALIDATION_STEMS else split] = table.select_columns([source_lang, target_lang])
+    return splits
+
+
+def text_batches(corpus: datasets.DatasetDict, languages: list[str], batch_size: int = 1000) -> Iterator[list[str]]:
+    """Batches of training sentences of each language in turn, for `train_tokenizer`."""
+    for lang in languages:
+        for batch in corpus["train"].select_columns([lang]).iter(batch_size=batch_size):
+            yield batch[lang]
+
+
+def tokenize_corpus(
+    corpus: datasets.DatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    source_lang: str,
+    target_lang: str,
+    max_length: int = 256,
+    num_proc: int | None = None,
+) -> datasets.DatasetDict:
+    """Tokenize every split with `datasets.map`; drop training pairs that are empty or too long.
+
+    Args:
+        corpus: from `load_parallel_corpus`.
+        tokenizer: the shared tokenizer.
+        max_length: longest sentence, in tokens with `</s>`, kept for training; longer ones in
+            other splits are truncated.
+        num_proc: worker processes for `map`.
+
+    Returns:
+        The same splits with columns `input_ids`, `labels`, `source_length`, `target_length`
+        (token counts) beside the text columns.
+    """
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list]:
+        encoded = tokenizer(
+            batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=max_length + 1
+        )
+        return {
+            "input_ids": encoded["input_ids"],
+            "labels": encoded["labels"],
+            "source_length": [len(ids) for ids in encoded["input_ids"]],
+            "target_length": [len(ids) for ids in encoded["labels"]],
+        }
+
+    tokenized = corpus.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
+    # A sentence of max_length + 1 tokens was truncated: drop such training pairs rather than learn
+    # from a cut-off translation; `</s>` alone (length 1) is an empty line.
+    keep = lambda batch: [  # noqa: E731
+        1 < s <= max_length and 1 < t <= max_length for s, t in zip(batch["source_length"], batch["target_length"])
+    ]
+    tokenized["train"] = tokenized["train"].filter(keep, batched=True, num_proc=num_proc, desc="Filtering")
+    return tokenized
+
+
+class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of sentence pairs of similar length, each holding at most `max_tokens` padded tokens (§5.1).
+
+    "Sentence pairs were batched together by approximate sequence length": indices are shuffled,
+    sorted by length (stably, so equal lengths stay shuffled), cut into batches whose padded size
+    `batch_size * max(source_len, target_len)` fits the budget, and the batches are shuffled.
+    Each epoch (see `set_epoch`) draws a new order from `seed + epoch`.
+
+    Args:
+        source_lengths, target_lengths: token counts per pair, arrays of shape `(num_pairs,)`.
+        max_tokens: budget of padded tokens per side and batch.
+        shuffle: shuffle pairs and batches; False keeps the sorted order (for evaluation).
+        seed: random seed.
+
+    Raises:
+        ValueError: `max_tokens` is smaller than the longest pair, which could never be batched.
+    """
+
+    def __init__(
+        self,
+        source_lengths: np.ndarray,
+        target_lengths: np.ndarray,
+        max_tokens: int,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.lengths = np.maximum(np.asarray(source_lengths), np.asarray(target_lengths))
+        if len(self.lengths) and self.lengths.max() > max_tokens:
+            raise ValueError(
+                f"max_tokens={max_tokens} is smaller than the longest sentence ({self.lengths.max()} tokens); "
+                "raise --max-tokens or lower --max-length."
+            )
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self._batches = self._make_batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the order of epoch `epoch` (a number of completed passes over the data)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._batches = self._make_batches()
+
+    def _make_batches(self) -> list[np.ndarray]:
+        rng = np.random.default_rng(self.seed + self.epoch)
+        order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
+        order = order[np.argsort(self.lengths[order], kind="stable")]
+        sorted_lengths = self.lengths[order]
+        batches, start = [], 0
+        while start < len(order):
+            # Lengths ascend, so a batch [start, end) is padded to sorted_lengths[end - 1]: find the
+            # largest end with (end - start) * sorted_lengths[end - 1] <= max_tokens.
+            step = max(1, self.max_tokens // int(sorted_lengths[start]))
+            end = min(len(order), start + step)
+            while (end - start) * int(sorted_lengths[end - 1]) > self.max_tokens:
+                end -= 1
+            batches.append(order[start:end])
+            start = end
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self._batches:
+            yield batch.tolist()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+
+def lengths_of(table: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """The `source_length` and `target_length` columns of a tokenized split as integer arrays."""
+    columns = table.select_columns(["source_length", "target_length"]).with_format("numpy")[:]
+    return columns["source_length"], columns["target_length"]

@@ -1,0 +1,658 @@
+"""The Transformer of Vaswani et al. (2017), "Attention Is All You Need", as a transformers model.
+
+Read top to bottom, this file follows §3 of the paper: positional encoding (§3.5), scaled
+dot-product and multi-head attention (§3.2), the position-wise feed-forward network (§3.3),
+the encoder and decoder layers with their residual + LayerNorm sublayers (§3.1), the two
+stacks with their shared embeddings (§3.4), and the model with its label-smoothed loss (§5.4).
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_vaswani import VaswaniConfig
+
+# §3.5 Positional encoding ----------------------------------------------------------------------
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) (§3.5).
+
+    Sines and cosines are interleaved as in the paper's formula. The encoding is computed from the
+    positions on every call rather than read from a table, so any length works, longer than any
+    seen in training included; it has no parameters and nothing is saved. Computing it costs
+    O(length * d_model), negligible beside one attention layer.
+    """
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Encode positions.
+
+        Args:
+            positions: integer positions, any shape `(*)`, counted from 0.
+
+        Returns:
+            float32 tensor of shape `(*, d_model)`.
+        """
+        # 1 / 10000^(2i / d_model), i = 0 .. d_model/2 - 1: wavelengths in a geometric progression.
+        even_dims = torch.arange(0, self.d_model, 2, dtype=torch.float32, device=positions.device)
+        inverse_frequency = torch.exp(even_dims * (-math.log(10000.0) / self.d_model))
+        angles = positions.float().unsqueeze(-1) * inverse_frequency
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
+
+
+# §3.2 Attention ----------------------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1, Eq. 1), spelled out.
+
+    This is the "eager" implementation of transformers' attention interface: the only one that
+    returns the attention weights. `attn_implementation="sdpa"` (the default) computes the same
+    with PyTorch's fused kernel.
+
+    Args:
+        module: the calling attention module (gives `training`).
+        query: `(batch, heads, target_len, d_k)`.
+        key, value: `(batch, heads, source_len, d_k)`.
+        attention_mask: additive float mask broadcastable to `(batch, heads, target_len, source_len)`,
+            0 where attending is allowed and the dtype's minimum where it is not; or None.
+        scaling: 1 / sqrt(d_k).
+        dropout: dropout probability on the weights.
+
+    Returns:
+        The output, `(batch, target_len, heads, d_k)`, and the weights, `(batch, heads, target_len, source_len)`.
+    """
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
+
+    The h projections of each kind are one bias-free linear map of d_model to h * d_k = d_model, as
+    in the paper's parameter matrices. The module serves the three uses of §3.2.3: encoder
+    self-attention, masked decoder self-attention (`is_causal=True`) and encoder-decoder attention
+    (`is_cross_attention=True`, keys and values from the encoder output).
+    """
+
+    def __init__(
+        self, config: VaswaniConfig, layer_idx: int = 0, is_causal: bool = False, is_cross_attention: bool = False
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        # Read by the SDPA path of the attention interface: it must be False for non-causal attention,
+        # or an unpadded encoder batch would silently be masked causally.
+        self.is_causal = is_causal
+        self.is_cross_attention = is_cross_attention
+        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.out_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def _split_heads(self, states: torch.Tensor) -> torch.Tensor:
+        # (batch, length, d_model) -> (batch, heads, length, d_k)
+        return states.view(*states.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from `hidden_states` to itself, or to `key_value_states` for cross-attention.
+
+        Args:
+            hidden_states: queries, `(batch, target_len, d_model)`.
+            key_value_states: encoder output `(batch, source_len, d_model)` for cross-attention, else None.
+            attention_mask: mask from `transformers.masking_utils`, or None.
+            past_key_values: an `EncoderDecoderCache` during incremental decoding. Self-attention
+                appends this step's keys and values; cross-attention computes the encoder's once
+                and then reuses them.
+
+        Returns:
+            The output `(batch, target_len, d_model)` and, with eager attention, the weights
+            `(batch, heads, target_len, key_len)` (None otherwise).
+        """
+        query = self._split_heads(self.q_proj(hidden_states))
+
+        cache = None
+        if past_key_values is not None:
+            cache = (
+                past_key_values.cross_attention_cache
+                if self.is_cross_attention
+                else past_key_values.self_attention_cache
+            )
+        if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if self.is_cross_attention else hidden_states
+            key, value = self._split_heads(self.k_proj(source)), self._split_heads(self.v_proj(source))
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                if self.is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
+
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, scaled_dot_product_attention
+        )
+        output, weights = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        output = self.out_proj(output.reshape(*hidden_states.shape[:-1], -1))
+        return output, weights
+
+
+# §3.3 Position-wise feed-forward network ---------------------------------------------------------
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (§3.3, Eq. 2), d_model -> d_ff -> d_model."""
+
+    def __init__(self, config: VaswaniConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation_dropout = config.activation_dropout
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`(batch, length, d_model)` -> `(batch, length, d_model)`."""
+        hidden_states = F.relu(self.fc1(hidden_states))
+        hidden_states = F.dropout(hidden_states, p=self.activation_dropout, training=self.training)
+        return self.fc2(hidden_states)
+
+
+# §3.1 Encoder and decoder layers -----------------------------------------------------------------
+
+
+class SublayerConnection(nn.Module):
+    """LayerNorm(x + Dropout(Sublayer(x))): the residual connection around each sublayer (§3.1, §5.4)."""
+
+    def __init__(self, config: VaswaniConfig) -> None:
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = config.dropout
+
+    def forward(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
+        """Both inputs and the output are `(batch, length, d_model)`."""
+        return self.layer_norm(residual + F.dropout(sublayer_output, p=self.dropout, training=self.training))
+
+
+class EncoderLayer(GradientCheckpointingLayer):
+    """One of the N identical encoder layers: self-attention, then feed-forward (§3.1)."""
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config, layer_idx)
+        self.self_attn_sublayer = SublayerConnection(config)
+        self.feed_forward = PositionwiseFeedForward(config)
+        self.feed_forward_sublayer = SublayerConnection(config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        """`(batch, source_len, d_model)` -> `(batch, source_len, d_model)`; the mask hides padding."""
+        attended, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
+        hidden_states = self.self_attn_sublayer(hidden_states, attended)
+        return self.feed_forward_sublayer(hidden_states, self.feed_forward(hidden_states))
+
+
+class DecoderLayer(GradientCheckpointingLayer):
+    """One of the N identical decoder layers: masked self-attention, encoder-decoder attention, feed-forward (§3.1)."""
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config, layer_idx, is_causal=True)
+        self.self_attn_sublayer = SublayerConnection(config)
+        self.encoder_attn = MultiHeadAttention(config, layer_idx, is_cross_attention=True)
+        self.encoder_attn_sublayer = SublayerConnection(config)
+        self.feed_forward = PositionwiseFeedForward(config)
+        self.feed_forward_sublayer = SublayerConnection(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """`(batch, target_len, d_model)` -> `(batch, target_len, d_model)`.
+
+        `attention_mask` is the causal (and padding) mask of §3.2.3; `encoder_hidden_states` is
+        `(batch, source_len, d_model)` with its padding mask `encoder_attention_mask`.
+        """
+        attended, _ = self.self_attn(
+            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs
+        )
+        hidden_states = self.self_attn_sublayer(hidden_states, attended)
+        attended, _ = self.encoder_attn(
+            hidden_states,
+            key_value_states=encoder_hidden_states,
+            attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = self.encoder_attn_sublayer(hidden_states, attended)
+        return self.feed_forward_sublayer(hidden_states, self.feed_forward(hidden_states))
+
+
+# §3.1 and §3.4 The stacks and their embeddings -----------------------------------------------------
+
+
+class VaswaniPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the switches transformers reads (attention backends, checkpointing)."""
+
+    config_class = VaswaniConfig
+    config: VaswaniConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["EncoderLayer", "DecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # The paper does not say; these are the initialisations of its tensor2tensor and fairseq
+        # implementations: Xavier-uniform projections, and embeddings of standard deviation
+        # d_model^-0.5, which the sqrt(d_model) scaling of §3.4 brings to unit variance.
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class Embeddings(nn.Module):
+    """Token embedding times sqrt(d_model) plus the positional encoding, then dropout (§3.4, §3.5, §5.4)."""
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.scale = math.sqrt(config.d_model)
+        self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
+        self.dropout = config.dropout
+
+    def forward(self, input_ids: torch.Tensor, past_length: int = 0) -> torch.Tensor:
+        """`(batch, length)` token ids -> `(batch, length, d_model)`; positions start at `past_length`."""
+        embeddings = self.embed_tokens(input_ids) * self.scale
+        positions = torch.arange(past_length, past_length + input_ids.shape[1], device=input_ids.device)
+        embeddings = embeddings + self.positional_encoding(positions).to(embeddings.dtype)
+        return F.dropout(embeddings, p=self.dropout, training=self.training)
+
+
+class VaswaniEncoder(VaswaniPreTrainedModel):
+    """The encoder: embeddings and a stack of N `EncoderLayer`s (§3.1)."""
+
+    _can_record_outputs = {"hidden_states": EncoderLayer, "attentions": MultiHeadAttention}
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
+        super().__init__(config)
+        self.embeddings = Embeddings(config, embed_tokens)
+        self.layers = nn.ModuleList([EncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.embed_tokens
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> BaseModelOutput:
+        """Encode a source batch.
+
+        Args:
+            input_ids: `(batch, source_len)` token ids.
+            attention_mask: `(batch, source_len)`, 1 for tokens and 0 for padding; None means no padding.
+            output_attentions, output_hidden_states: also return every layer's weights or outputs.
+
+        Returns:
+            `BaseModelOutput` with `last_hidden_state` `(batch, source_len, d_model)`.
+        """
+        hidden_states = self.embeddings(input_ids)
+        attention_mask = create_bidirectional_mask(
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
+        )
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, **kwargs)
+        return BaseModelOutput(last_hidden_state=hidden_states)
+
+
+class VaswaniDecoder(VaswaniPreTrainedModel):
+    """The decoder: embeddings and a stack of N `DecoderLayer`s (§3.1)."""
+
+    _can_record_outputs = {
+        "hidden_states": DecoderLayer,
+        "attentions": OutputRecorder(MultiHeadAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(MultiHeadAttention, index=1, layer_name="encoder_attn"),
+    }
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
+        super().__init__(config)
+        self.embeddings = Embeddings(config, embed_tokens)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.embed_tokens
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """Decode a target batch given the encoder output.
+
+        Args:
+            input_ids: `(batch, target_len)` decoder input ids: the target shifted right behind
+                `decoder_start_token_id`, or only the new tokens when decoding with a cache.
+            encoder_hidden_states: `(batch, source_len, d_model)`.
+            attention_mask: `(batch, past_len + target_len)` decoder padding mask, or None.
+            encoder_attention_mask: `(batch, source_len)` source padding mask, or None.
+            past_key_values: the cache of earlier steps; created when `use_cache` and None.
+            use_cache: return a cache for incremental decoding.
+
+        Returns:
+            `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state`
+            `(batch, target_len, d_model)` and `past_key_values`.
+        """
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        hidden_states = self.embeddings(input_ids, past_length)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values.self_attention_cache if past_key_values is not None else None,
+        )
+        encoder_attention_mask = create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                causal_mask,
+                encoder_hidden_states,  # positional, so that gradient checkpointing sees it
+                encoder_attention_mask=encoder_attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states, past_key_values=past_key_values
+        )
+
+
+# The model ---------------------------------------------------------------------------------------
+
+
+class VaswaniModel(VaswaniPreTrainedModel):
+    """Encoder and decoder around one embedding matrix shared by source and target (§3.4)."""
+
+    _tied_weights_keys = {
+        "encoder.embeddings.embed_tokens.weight": "shared.weight",
+        "decoder.embeddings.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: VaswaniConfig) -> None:
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+        self.encoder = VaswaniEncoder(config, self.shared)
+        self.decoder = VaswaniDecoder(config, self.shared)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.shared
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.shared = value
+        self.encoder.embeddings.embed_tokens = value
+        self.decoder.embeddings.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        """Encode the source (unless `encoder_outputs` is given) and decode the target.
+
+        Args:
+            input_ids: `(batch, source_len)` source token ids.
+            attention_mask: `(batch, source_len)` source padding mask (1 = token).
+            decoder_input_ids: `(batch, target_len)` decoder inputs.
+            decoder_attention_mask: `(batch, target_len)` target padding mask, or None.
+            encoder_outputs: reuse an earlier encoding of the source.
+            past_key_values, use_cache: see `VaswaniDecoder.forward`.
+
+        Returns:
+            `Seq2SeqModelOutput` with the decoder's `last_hidden_state` `(batch, target_len, d_model)`.
+        """
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            attention_mask=decoder_attention_mask,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Decoder inputs for teacher forcing: `<s> y_1 ... y_{n-1}` from labels `y_1 ... y_n` (§3.1, "shifted right").
+
+    Args:
+        labels: `(batch, target_len)` target ids, -100 where ignored (padding).
+        pad_token_id: id that replaces -100.
+        decoder_start_token_id: the first decoder input.
+
+    Returns:
+        `(batch, target_len)` decoder input ids.
+    """
+    shifted = labels.new_empty(labels.shape)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill_(shifted == -100, pad_token_id)
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, epsilon: float, num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross entropy against the smoothed targets (1 - epsilon) * one_hot(y) + epsilon / vocab_size (§5.4).
+
+    This is the label smoothing of Szegedy et al. (2016) that the paper cites, as computed by
+    `torch.nn.functional.cross_entropy(label_smoothing=epsilon)` without materialising the targets.
+
+    Args:
+        logits: `(batch, target_len, vocab_size)`.
+        labels: `(batch, target_len)` target ids; -100 marks positions to ignore (padding).
+        epsilon: epsilon_ls in [0, 1).
+        num_items_in_batch: divide the summed loss by this number of target tokens (for gradient
+            accumulation and data parallelism, where the tokens of the whole update count); by
+            default the mean over this batch's non-ignored tokens.
+
+    Returns:
+        The scalar loss, in nats per target token.
+    """
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, label_smoothing=epsilon, reduction="sum"
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = labels.ne(-100).sum()
+    return loss / num_items_in_batch
+
+
+class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
+    """The Transformer for translation: `VaswaniModel` and the pre-softmax projection tied to the embeddings (§3.4).
+
+    `generate()` decodes with a key/value cache; the generation config saved with a trained
+    model holds the paper's beam search (beam 4, length penalty 0.6; §6.1).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+
+    def __init__(self, config: VaswaniConfig) -> None:
+        super().__init__(config)
+        self.model = VaswaniModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        """Next-token logits for every target position and, given `labels`, the label-smoothed loss.
+
+        Args:
+            input_ids: `(batch, source_len)` source ids.
+            attention_mask: `(batch, source_len)` source padding mask (1 = token).
+            decoder_input_ids: `(batch, target_len)`; derived from `labels` with `shift_tokens_right` if None.
+            decoder_attention_mask: `(batch, target_len)`, or None.
+            encoder_outputs, past_key_values, use_cache: see `VaswaniModel.forward`.
+            labels: `(batch, target_len)` target ids ending in `</s>`, -100 on padding.
+            num_items_in_batch: target tokens of the whole optimizer step (see
+                `label_smoothed_cross_entropy`); passed by the Trainer under gradient accumulation.
+
+        Returns:
+            `Seq2SeqLMOutput` with `logits` `(batch, target_len, vocab_size)` and `loss` (nats per token).
+
+        Raises:
+            ValueError: neither `decoder_input_ids` nor `labels` is given.
+        """
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None:
+                decoder_input_ids = shift_tokens_right(
+                    labels, self.config.pad_token_id, self.config.decoder_start_token_id
+                )
+        if decoder_input_ids is None:
+            raise ValueError("VaswaniForConditionalGeneration needs decoder_input_ids or labels to decode.")
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = label_smoothed_cross_entropy(logits, labels, self.config.label_smoothing, num_items_in_batch)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape."""
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

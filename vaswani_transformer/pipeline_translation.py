@@ -1,0 +1,42 @@
+"""`pipeline("translation")` for encoder-decoder models, which transformers 5 no longer ships.
+
+Saved models list this class under `custom_pipelines` in their `config.json` and carry this
+file, so `pipeline("translation", model=dir_or_repo, trust_remote_code=True)` works with or
+without `vaswani_transformer` installed. It imports nothing but transformers for that reason.
+"""
+
+from typing import Any
+
+import torch
+from transformers import Pipeline
+
+
+class TranslationPipeline(Pipeline):
+    """Translate text with `model.generate()`, using the model's generation config (beam search, §6.1).
+
+    Call it with a string or a list of strings; each input gives `[{"translation_text": str}]`.
+    Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call.
+    Inputs longer than the tokenizer's `model_max_length` are truncated.
+    """
+
+    _pipeline_calls_generate = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _load_tokenizer = True
+
+    def _sanitize_parameters(self, **generate_kwargs: Any) -> tuple[dict, dict, dict]:
+        return {}, generate_kwargs, {}
+
+    def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+        if not isinstance(text, str):
+            raise TypeError(f"TranslationPipeline translates strings, got {type(text).__name__}.")
+        return self.tokenizer(text, return_tensors="pt", truncation=True)
+
+    def _forward(self, model_inputs: dict[str, torch.Tensor], **generate_kwargs: Any) -> dict[str, torch.Tensor]:
+        output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
+        return {"output_ids": output_ids}
+
+    def postprocess(self, model_outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
+        texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)
+        return [{"translation_text": text} for text in texts]

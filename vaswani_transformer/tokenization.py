@@ -1,0 +1,79 @@
+"""The shared source-target BPE vocabulary of §5.1, trained with `tokenizers`.
+
+The paper encodes sentences with byte-pair encoding (Sennrich et al., 2016) and one vocabulary
+shared by source and target. Here BPE runs over bytes (as in GPT-2 and BART): every Unicode
+string has an encoding, no token is ever `<unk>`, and decoding gives the text back exactly.
+The only text that does not round-trip is what the NFC normalizer changes (for example a
+decomposed "e" + combining acute accent comes back as the single character "é").
+"""
+
+from collections.abc import Iterable, Iterator
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3, as VaswaniConfig expects
+
+
+def train_tokenizer(
+    texts: Iterable[list[str]], vocab_size: int = 8000, min_frequency: int = 2, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Learn a byte-level BPE vocabulary from batches of sentences of both languages (§5.1).
+
+    Args:
+        texts: batches (lists) of sentences; pass source and target sentences so that the
+            vocabulary is shared. Only one batch is held in memory at a time.
+        vocab_size: number of tokens, the four special tokens and the 256 bytes included.
+        min_frequency: pairs seen fewer times than this are not merged.
+        model_max_length: longest input, in tokens, that `truncation=True` keeps.
+
+    Returns:
+        A fast tokenizer with `<pad>`, `<s>`, `</s>`, `<unk>` at ids 0 to 3 that appends `</s>`
+        to every sequence; `save_pretrained` writes it for `AutoTokenizer.from_pretrained`.
+
+    Raises:
+        ValueError: `vocab_size` leaves no room for merges (it must exceed 260), or `texts` is empty.
+    """
+    if vocab_size <= len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab_size must be larger than 260 (4 special tokens + 256 bytes), got {vocab_size}.")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    seen = _count_batches(texts)
+    tokenizer.train_from_iterator(seen, trainer=trainer)
+    if not seen.count:
+        raise ValueError("Cannot train a tokenizer on an empty corpus: no sentences were given.")
+    eos_id = tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+class _count_batches:
+    """Iterates over batches of sentences and counts the sentences, to tell an empty corpus apart."""
+
+    def __init__(self, batches: Iterable[list[str]]) -> None:
+        self.batches = batches
+        self.count = 0
+
+    def __iter__(self) -> Iterator[list[str]]:
+        for batch in self.batches:
+            self.count += len(batch)
+            yield batch
