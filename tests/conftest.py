@@ -49,7 +49,7 @@ def tiny_model(tokenizer=None, seed: int = 0, **overrides) -> VaswaniForConditio
 
 @pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
-    """A small model trained for 60 steps on Multi30k through the command line, saved with its tokenizer."""
+    """A small model trained for 150 steps on Multi30k through the command line, saved with its tokenizer."""
     from vaswani_transformer.cli import main
 
     output_dir = tmp_path_factory.mktemp("trained")
@@ -59,8 +59,8 @@ def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
             "--output-dir", str(output_dir), "--preset", "small",
             "--model-option", "d_model=64", "--model-option", "d_ff=256", "--model-option", "num_attention_heads=4",
             "--model-option", "encoder_layers=2", "--model-option", "decoder_layers=2",
-            "--vocab-size", "2000", "--max-tokens", "2048", "--warmup-steps", "30", "--learning-rate-scale", "2",
-            "--max-steps", "60", "--eval-steps", "20", "--save-steps", "20", "--average-last", "2",
+            "--vocab-size", "2000", "--max-tokens", "2048", "--warmup-steps", "50", "--learning-rate-scale", "0.2",
+            "--max-steps", "150", "--eval-steps", "50", "--save-steps", "50", "--average-last", "2",
         ]
     )  # fmt: skip
     assert status == 0

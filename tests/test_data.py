@@ -1,9 +1,16 @@
 """Reading parallel corpora and batching them by tokens (§5.1)."""
 
+import json
+
 import numpy as np
 import pytest
 
-from vaswani_transformer.data import TokenBatchSampler, lengths_of, load_parallel_corpus, tokenize_corpus
+from vaswani_transformer.data import (
+    TokenBatchSampler,
+    lengths_of,
+    load_parallel_corpus,
+    tokenize_corpus,
+)
 
 
 def test_multi30k_directory_loads_every_split_aligned(corpus, multi30k_dir):
@@ -55,3 +62,15 @@ def test_training_pairs_that_are_too_long_or_empty_are_dropped(tmp_path, tokeniz
     corpus = load_parallel_corpus("", "en", "de", files={"train": (source, target)})
     tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=50)
     assert tokenized["train"]["de"] == ["Ein Hund.", "Eine Katze."]
+
+
+def test_a_dataset_with_a_translation_column_is_flattened_to_one_column_per_language(tmp_path):
+    # The layout of WMT14 and OPUS on the Hub, read by `datasets.load_dataset` from a local folder.
+    rows = [{"translation": {"de": "Ein Hund.", "en": "A dog."}}, {"translation": {"de": "Katze", "en": "Cat"}}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "validation.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    splits = load_parallel_corpus(tmp_path, "en", "de")
+    assert splits["train"]["en"] == ["A dog.", "Cat"] and splits["train"]["de"] == ["Ein Hund.", "Katze"]
+    assert splits["validation"].num_rows == 1
+    with pytest.raises(ValueError, match="no column for fr"):
+        load_parallel_corpus(tmp_path, "en", "fr")

@@ -252,3 +252,18 @@ def test_presets_are_table_3():
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset("base"))
     # Table 3 reports 65M parameters for the base model with its 37,000-token vocabulary.
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(65e6, rel=0.05)
+
+
+def test_label_smoothed_loss_and_its_gradient_match_pytorch_cross_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    labels[0, 3:] = -100
+    for epsilon in (0.0, 0.1, 0.3):
+        ours = label_smoothed_cross_entropy(logits, labels, epsilon)
+        reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon)
+        torch.testing.assert_close(ours, reference)
+        (ours_grad,) = torch.autograd.grad(ours, logits)
+        (reference_grad,) = torch.autograd.grad(reference, logits)
+        torch.testing.assert_close(ours_grad, reference_grad)
+    assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, labels, 0.1), (logits,))

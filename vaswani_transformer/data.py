@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+# Files of a local `datasets` folder (what `load_dataset(directory)` reads).
+DATASET_SUFFIXES = {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
 # File stems that name the validation split of a corpus directory, besides "validation".
 VALIDATION_STEMS = ("validation", "valid", "val", "dev")
 
@@ -66,9 +68,10 @@ def load_parallel_corpus(
 
     Args:
         data: a directory holding `train.<lang>`, `val.<lang>` (or `valid`, `dev`, `validation`) and
-            `test*.<lang>` files, one sentence per line and aligned by line; or a Hub dataset id
-            (with a `translation` column of `{lang: text}` dicts, as WMT14 and OPUS have, or one
-            column per language). May be empty when `files` gives every split.
+            `test*.<lang>` files, one sentence per line and aligned by line; or a Hub dataset id, or
+            a local folder of dataset files (JSON, Parquet, CSV) that `datasets.load_dataset`
+            reads, with a `translation` column of `{lang: text}` dicts (as WMT14 and OPUS have)
+            or one column per language. May be empty when `files` gives every split.
         source_lang, target_lang: language codes, the file extensions or dict keys.
         dataset_config: configuration name of a Hub dataset (e.g. "de-en" for WMT14).
         files: explicit `{split: (source_file, target_file)}`, added to or replacing those found in `data`.
@@ -83,13 +86,20 @@ def load_parallel_corpus(
             named), or the dataset has no training split or no column for a language.
     """
     splits: dict[str, datasets.Dataset] = {}
-    if data and Path(data).is_dir():
-        for split, (source_file, target_file) in _find_split_files(Path(data), source_lang, target_lang).items():
-            splits[split] = _read_aligned_files(source_file, target_file, source_lang, target_lang)
-    elif data and (Path(data).exists() or os.sep in str(data) and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(data))):
-        raise FileNotFoundError(f"{data} is not a directory of parallel text files nor a Hub dataset id.")
-    elif data:
-        splits.update(_load_hub_corpus(str(data), source_lang, target_lang, dataset_config))
+    path = Path(data) if data else None
+    text_files = _find_split_files(path, source_lang, target_lang) if path and path.is_dir() else {}
+    for split, (source_file, target_file) in text_files.items():
+        splits[split] = _read_aligned_files(source_file, target_file, source_lang, target_lang)
+    if path is not None and not text_files:
+        if path.is_dir():
+            if any(p.suffix in DATASET_SUFFIXES for p in path.rglob("*")):
+                splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config))
+        elif path.exists():
+            raise ValueError(f"{data} is a file; give the directory that holds the corpus, or --train-files.")
+        elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(data)):
+            splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config))
+        else:
+            raise FileNotFoundError(f"{data} does not exist (expected a corpus directory or a Hub dataset id).")
     for split, (source_file, target_file) in (files or {}).items():
         splits[split] = _read_aligned_files(Path(source_file), Path(target_file), source_lang, target_lang)
     if "train" not in splits:
@@ -100,7 +110,7 @@ def load_parallel_corpus(
     return datasets.DatasetDict(splits)
 
 
-def _load_hub_corpus(
+def _load_dataset_corpus(
     dataset_id: str, source_lang: str, target_lang: str, dataset_config: str | None
 ) -> dict[str, datasets.Dataset]:
     loaded = datasets.load_dataset(dataset_id, dataset_config)
@@ -108,7 +118,13 @@ def _load_hub_corpus(
     for split, table in loaded.items():
         if "translation" in table.column_names:
             table = table.flatten()
-            table = table.rename_columns({f"translation.{lang}": lang for lang in (source_lang, target_lang)})
+            table = table.rename_columns(
+                {
+                    f"translation.{lang}": lang
+                    for lang in (source_lang, target_lang)
+                    if f"translation.{lang}" in table.column_names
+                }
+            )
         missing = [lang for lang in (source_lang, target_lang) if lang not in table.column_names]
         if missing:
             raise ValueError(
