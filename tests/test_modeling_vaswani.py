@@ -240,13 +240,21 @@ def test_config_rejects_impossible_values_naming_the_field():
         VaswaniConfig(d_ff=0)
     with pytest.raises(ValueError, match="encoder_layers"):
         VaswaniConfig(encoder_layers=-2)
+    with pytest.raises(ValueError, match="d_model must be even"):
+        VaswaniConfig(d_model=33, num_attention_heads=1)
     with pytest.raises(ValueError, match="Unknown preset"):
         VaswaniConfig.from_preset("huge")
 
 
 def test_presets_are_table_3():
     base, big = VaswaniConfig.from_preset("base"), VaswaniConfig.from_preset("big")
-    assert (base.encoder_layers, base.d_model, base.d_ff, base.num_attention_heads, base.dropout) == (6, 512, 2048, 8, 0.1)
+    assert (base.encoder_layers, base.d_model, base.d_ff, base.num_attention_heads, base.dropout) == (
+        6,
+        512,
+        2048,
+        8,
+        0.1,
+    )
     assert (big.encoder_layers, big.d_model, big.d_ff, big.num_attention_heads, big.dropout) == (6, 1024, 4096, 16, 0.3)
     assert base.head_dim == 64 and big.head_dim == 64
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset("base"))
@@ -267,3 +275,66 @@ def test_label_smoothed_loss_and_its_gradient_match_pytorch_cross_entropy():
         (reference_grad,) = torch.autograd.grad(reference, logits)
         torch.testing.assert_close(ours_grad, reference_grad)
     assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, labels, 0.1), (logits,))
+
+
+def test_stacks_match_torch_nn_transformer_post_norm_on_a_padded_batch(tokenizer, test_sentences):
+    """Parity with an implementation written elsewhere: torch.nn.Transformer (post-LN, ReLU)."""
+    d_model, heads, d_ff, layers = 32, 4, 64, 2
+    model = tiny_model(tokenizer, seed=11)
+    torch.manual_seed(12)
+    reference = torch.nn.Transformer(
+        d_model, heads, layers, layers, d_ff, dropout=0.0, batch_first=True, norm_first=False
+    ).eval()
+    # The paper has no LayerNorm after each stack, and no biases on the attention projections.
+    reference.encoder.norm = None
+    reference.decoder.norm = None
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.LayerNorm):  # away from 1 and 0, so that a mix-up shows
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+            if isinstance(module, torch.nn.MultiheadAttention):
+                module.in_proj_bias.zero_()
+                module.out_proj.bias.zero_()
+
+        def copy_attention(ours, theirs):
+            q, k, v = theirs.in_proj_weight.chunk(3)
+            ours.q_proj.weight.copy_(q)
+            ours.k_proj.weight.copy_(k)
+            ours.v_proj.weight.copy_(v)
+            ours.out_proj.weight.copy_(theirs.out_proj.weight)
+
+        def copy_sublayer(ours, norm):
+            ours.layer_norm.weight.copy_(norm.weight)
+            ours.layer_norm.bias.copy_(norm.bias)
+
+        def copy_feed_forward(ours, theirs):
+            for mine, other in ((ours.fc1, theirs.linear1), (ours.fc2, theirs.linear2)):
+                mine.weight.copy_(other.weight)
+                mine.bias.copy_(other.bias)
+
+        for ours, theirs in zip(model.model.encoder.layers, reference.encoder.layers, strict=True):
+            copy_attention(ours.self_attn, theirs.self_attn)
+            copy_sublayer(ours.self_attn_sublayer, theirs.norm1)
+            copy_feed_forward(ours.feed_forward, theirs)
+            copy_sublayer(ours.feed_forward_sublayer, theirs.norm2)
+        for ours, theirs in zip(model.model.decoder.layers, reference.decoder.layers, strict=True):
+            copy_attention(ours.self_attn, theirs.self_attn)
+            copy_sublayer(ours.self_attn_sublayer, theirs.norm1)
+            copy_attention(ours.encoder_attn, theirs.multihead_attn)
+            copy_sublayer(ours.encoder_attn_sublayer, theirs.norm2)
+            copy_feed_forward(ours.feed_forward, theirs)
+            copy_sublayer(ours.feed_forward_sublayer, theirs.norm3)
+
+        batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
+        decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+        ours = model.model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=decoder_input_ids)
+        source = model.model.encoder.embeddings(batch["input_ids"])
+        target = model.model.decoder.embeddings(decoder_input_ids)
+        source_padding = batch["attention_mask"] == 0
+        memory = reference.encoder(source, src_key_padding_mask=source_padding)
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(target.shape[1])
+        theirs = reference.decoder(target, memory, tgt_mask=causal, memory_key_padding_mask=source_padding)
+    keep = ~source_padding
+    torch.testing.assert_close(ours.encoder_last_hidden_state[keep], memory[keep], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.last_hidden_state, theirs, atol=1e-5, rtol=0)

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tokenizer", default=None, help="existing tokenizer directory (default: train a BPE one)")
     model.add_argument("--vocab-size", type=int, default=37000, help="BPE vocabulary size in tokens (default: 37000)")
     recipe = train.add_argument_group("recipe")
-    recipe.add_argument("--max-length", type=int, default=256, help="longest training sentence in tokens (default: 256)")
+    recipe.add_argument(
+        "--max-length", type=int, default=256, help="longest training sentence in tokens (default: 256)"
+    )
     recipe.add_argument(
         "--max-tokens", type=int, default=4096, help="padded tokens per batch, per side and device (default: 4096)"
     )

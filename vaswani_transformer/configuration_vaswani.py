@@ -8,15 +8,9 @@ from transformers import PretrainedConfig
 # d_model / h). "small" is not in the paper: it is sized to train to a useful translator on a
 # 2-core CPU in about a quarter of an hour (Multi30k), keeping the paper's proportions d_ff = 4 d_model.
 PRESETS: dict[str, dict[str, Any]] = {
-    "small": dict(
-        d_model=256, d_ff=1024, encoder_layers=3, decoder_layers=3, num_attention_heads=4, dropout=0.1
-    ),
-    "base": dict(
-        d_model=512, d_ff=2048, encoder_layers=6, decoder_layers=6, num_attention_heads=8, dropout=0.1
-    ),
-    "big": dict(
-        d_model=1024, d_ff=4096, encoder_layers=6, decoder_layers=6, num_attention_heads=16, dropout=0.3
-    ),
+    "small": dict(d_model=256, d_ff=1024, encoder_layers=3, decoder_layers=3, num_attention_heads=4, dropout=0.1),
+    "base": dict(d_model=512, d_ff=2048, encoder_layers=6, decoder_layers=6, num_attention_heads=8, dropout=0.1),
+    "big": dict(d_model=1024, d_ff=4096, encoder_layers=6, decoder_layers=6, num_attention_heads=16, dropout=0.3),
 }
 
 
@@ -48,7 +42,7 @@ class VaswaniConfig(PretrainedConfig):
 
     Raises:
         ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1), or
-            d_model is not divisible by num_attention_heads. The message names the field.
+            d_model is odd or not divisible by num_attention_heads. The message names the field.
     """
 
     model_type = "vaswani_transformer"
@@ -98,6 +92,11 @@ class VaswaniConfig(PretrainedConfig):
             raise ValueError(
                 f"VaswaniConfig.d_model ({self.d_model}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) so that d_k = d_v = d_model / h (§3.2.2); change one of them."
+            )
+        if self.d_model % 2:
+            raise ValueError(
+                f"VaswaniConfig.d_model must be even, got {self.d_model}: the positional encoding pairs a sine "
+                "and a cosine per frequency (§3.5)."
             )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)

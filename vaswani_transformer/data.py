@@ -179,7 +179,8 @@ def tokenize_corpus(
     # A sentence of max_length + 1 tokens was truncated: drop such training pairs rather than learn
     # from a cut-off translation; `</s>` alone (length 1) is an empty line.
     keep = lambda batch: [  # noqa: E731
-        1 < s <= max_length and 1 < t <= max_length for s, t in zip(batch["source_length"], batch["target_length"])
+        1 < s <= max_length and 1 < t <= max_length
+        for s, t in zip(batch["source_length"], batch["target_length"], strict=True)
     ]
     tokenized["train"] = tokenized["train"].filter(keep, batched=True, num_proc=num_proc, desc="Filtering")
     return tokenized

@@ -11,9 +11,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel, 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 
 
-def load_translator(
-    model_dir: str, device: str | None = None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id.
 
     Args:
@@ -63,7 +61,7 @@ def translate(
                     [sentences[i] for i in indices], return_tensors="pt", padding=True, truncation=True
                 ).to(model.device)
                 output_ids = model.generate(**inputs, **generate_kwargs)
-                for i, text in zip(indices, tokenizer.batch_decode(output_ids, skip_special_tokens=True)):
+                for i, text in zip(indices, tokenizer.batch_decode(output_ids, skip_special_tokens=True), strict=True):
                     translations[i] = text.strip()
             bar.update(min(batch_size, len(order) - start))
     return translations

@@ -85,7 +85,15 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
             raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
-        for name in ("vocab_size", "max_length", "max_tokens", "warmup_steps", "eval_steps", "save_steps", "average_last"):
+        for name in (
+            "vocab_size",
+            "max_length",
+            "max_tokens",
+            "warmup_steps",
+            "eval_steps",
+            "save_steps",
+            "average_last",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
 
@@ -154,7 +162,9 @@ def _save_checkpoint(model, checkpoints_dir: Path, step: int, keep: int) -> None
 def _load_weights(model: VaswaniForConditionalGeneration, state: dict[str, torch.Tensor]) -> None:
     """Load weights saved by `_save_checkpoint`, in which the tied copies of the embedding are left out."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    untied = [name for name in missing if name != "lm_head.weight" and not name.endswith("embeddings.embed_tokens.weight")]
+    untied = [
+        name for name in missing if name != "lm_head.weight" and not name.endswith("embeddings.embed_tokens.weight")
+    ]
     if untied or unexpected:
         raise ValueError(f"Checkpoint does not match the model: missing {untied}, unexpected {unexpected}.")
 
@@ -255,9 +265,7 @@ def train(config: TrainingConfig) -> Path:
     log_path.unlink(missing_ok=True)
     deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes else math.inf
     max_steps = config.max_steps or math.inf
-    progress = tqdm(
-        total=config.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process
-    )
+    progress = tqdm(total=config.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
     model.train()
     step, epoch, done = 0, 0, False
     while not done:

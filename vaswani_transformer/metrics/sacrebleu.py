@@ -34,7 +34,7 @@ class Sacrebleu(evaluate.Metric):
         counts = {len(refs) for refs in references}
         if len(counts) != 1:
             raise ValueError("sacreBLEU needs the same number of references for every prediction.")
-        reference_streams = [list(stream) for stream in zip(*references)]
+        reference_streams = [list(stream) for stream in zip(*references, strict=True)]
         bleu = sacrebleu.BLEU(tokenize=tokenize, lowercase=lowercase)
         result = bleu.corpus_score(predictions, reference_streams)
         return {
