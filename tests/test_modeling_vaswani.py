@@ -338,3 +338,19 @@ def test_stacks_match_torch_nn_transformer_post_norm_on_a_padded_batch(tokenizer
     keep = ~source_padding
     torch.testing.assert_close(ours.encoder_last_hidden_state[keep], memory[keep], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours.last_hidden_state, theirs, atol=1e-5, rtol=0)
+
+
+def test_each_sentence_of_a_batch_stops_at_its_own_length_limit(tokenizer, test_sentences):
+    # §6.1: output length at most input length + 50 (here + 3, and </s> otherwise suppressed so
+    # that every sentence runs into its limit).
+    model = tiny_model(tokenizer, seed=8)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    source_lengths = inputs["attention_mask"].sum(-1)
+    assert len(set(source_lengths.tolist())) > 1
+    for num_beams in (1, 3):
+        generated = model.generate(
+            **inputs, num_beams=num_beams, max_length_a=1.0, max_length_b=3, suppress_tokens=[2], max_new_tokens=200
+        )
+        # Tokens before the first </s> (HF's beam search pads finished rows with </s> when pad is id 0).
+        output_lengths = (generated[:, 1:] == tokenizer.eos_token_id).int().argmax(-1)
+        assert output_lengths.tolist() == (source_lengths + 3).tolist()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import LogitsProcessor, LogitsProcessorList
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -685,6 +686,73 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             encoder_attentions=outputs.encoder_attentions,
         )
 
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        logits_processor: LogitsProcessorList | None = None,
+        **kwargs,
+    ):
+        """`GenerationMixin.generate`, plus the paper's per-sentence output limit (§6.1).
+
+        "We set the maximum output length during inference to input length + 50": with
+        `max_length_a` and `max_length_b` set (in the generation config or as arguments, fairseq's
+        max_len_a and max_len_b), sentence i of the batch ends with `</s>` after at most
+        `max_length_a * source_length_i + max_length_b` tokens, source_length_i counting its
+        non-padding tokens. Without them, HF's batch-wide `max_new_tokens` alone applies.
+
+        Args:
+            inputs: `(batch, source_len)` source ids (or pass `input_ids=`).
+            generation_config: replaces the model's generation config.
+            logits_processor: extra logits processors.
+            **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`, ...).
+
+        Returns:
+            What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
+        """
+        config = generation_config or self.generation_config
+        a = kwargs.pop("max_length_a", getattr(config, "max_length_a", None))
+        b = kwargs.pop("max_length_b", getattr(config, "max_length_b", None))
+        source = inputs if inputs is not None else kwargs.get("input_ids")
+        if a is not None and b is not None and source is not None:
+            mask = kwargs.get("attention_mask")
+            source_lengths = mask.sum(-1) if mask is not None else source.ne(self.config.pad_token_id).sum(-1)
+            limits = (a * source_lengths + b).long()
+            logits_processor = LogitsProcessorList(
+                [*(logits_processor or []), SourceLengthLimit(limits, config.eos_token_id)]
+            )
+            longest = int(limits.max()) + 1  # room for the final </s>
+            kwargs["max_new_tokens"] = min(longest, kwargs.get("max_new_tokens") or config.max_new_tokens or longest)
+        return super().generate(
+            inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+        )
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+
+# §6.1 Decoding ------------------------------------------------------------------------------------
+
+
+class SourceLengthLimit(LogitsProcessor):
+    """Forces `</s>` once sentence i has `limits[i]` output tokens: the per-sentence length limit of §6.1.
+
+    Args:
+        limits: `(batch,)` maximum number of output tokens before `</s>`, per source sentence.
+        eos_token_id: id of `</s>`.
+    """
+
+    def __init__(self, limits: torch.Tensor, eos_token_id: int) -> None:
+        self.limits = limits
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """`input_ids` `(batch * beams, 1 + generated)` (the decoder start first), `scores` `(batch * beams, vocab)`."""
+        limits = self.limits.to(input_ids.device).repeat_interleave(input_ids.shape[0] // self.limits.shape[0])
+        at_limit = input_ids.shape[1] - 1 >= limits
+        if at_limit.any():
+            forced = torch.full_like(scores[0], float("-inf"))
+            forced[self.eos_token_id] = 0.0
+            scores = torch.where(at_limit[:, None], forced, scores)
+        return scores

@@ -192,15 +192,18 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def default_generation_config(config: VaswaniConfig) -> GenerationConfig:
-    """The paper's decoding (§6.1): beam size 4, length penalty alpha = 0.6, stop when 4 hypotheses are finished.
+    """The paper's decoding (§6.1): beam size 4, length penalty alpha = 0.6, output length at most input length + 50.
 
-    `max_new_tokens` 256 leaves room for any ordinary sentence; `<pad>` and `<s>` are never generated.
+    Search stops when 4 hypotheses are finished; `max_new_tokens` 256 caps every batch;
+    `<pad>` and `<s>` are never generated.
     """
     return GenerationConfig(
         num_beams=4,
         length_penalty=0.6,
         early_stopping=True,
         max_new_tokens=256,
+        max_length_a=1.0,
+        max_length_b=50,
         decoder_start_token_id=config.decoder_start_token_id,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
