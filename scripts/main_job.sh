@@ -14,7 +14,7 @@ DATA_DIR=${1:-../shared/data/multi30k}
 OUTPUT_DIR=${2:-outputs/multi30k-en-de}
 SRC=${3:-en}
 TGT=${4:-de}
-TRAIN_MINUTES=${TRAIN_MINUTES:-18}
+TRAIN_MINUTES=${TRAIN_MINUTES:-20}
 
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check -e .

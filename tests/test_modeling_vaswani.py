@@ -354,3 +354,37 @@ def test_each_sentence_of_a_batch_stops_at_its_own_length_limit(tokenizer, test_
         # Tokens before the first </s> (HF's beam search pads finished rows with </s> when pad is id 0).
         output_lengths = (generated[:, 1:] == tokenizer.eos_token_id).int().argmax(-1)
         assert output_lengths.tolist() == (source_lengths + 3).tolist()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, test_sentences):
+    batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
+    gradients = []
+    for checkpointing in (False, True):
+        model = tiny_model(tokenizer, seed=9, dropout=0.0).train()  # no dropout: the same computation twice
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(**batch).loss.backward()
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bf16_autocast_on_cpu_runs_and_stays_close_to_float32(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, seed=10)
+    batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
+    with torch.no_grad():
+        full = model(**batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = model(**batch)
+    assert half.logits.dtype == torch.bfloat16 and half.loss.dtype == torch.float32
+    torch.testing.assert_close(half.loss, full.loss, atol=0.05, rtol=0.01)
+
+
+def test_resize_token_embeddings_keeps_the_three_uses_tied(tokenizer):
+    model = tiny_model(tokenizer)
+    model.resize_token_embeddings(len(tokenizer) + 8)
+    shared = model.model.shared.weight
+    assert shared.shape[0] == len(tokenizer) + 8 == model.config.vocab_size
+    assert model.lm_head.weight is shared
+    assert model.model.encoder.embeddings.embed_tokens.weight is shared
+    assert model.model.decoder.embeddings.embed_tokens.weight is shared
