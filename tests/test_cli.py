@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from vaswani_transformer.cli import main
 
@@ -67,3 +68,20 @@ print(piped)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip()
+
+
+def test_plot_attention_script_draws_every_head_of_a_saved_model(trained_model_dir, tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plot_attention.py"
+    for kind in ("encoder", "decoder", "cross"):
+        path = tmp_path / f"{kind}.png"
+        result = subprocess.run(
+            [sys.executable, str(script), str(trained_model_dir), SENTENCE,
+             "--kind", kind, "--layer", "0", "--output", str(path)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    image = imread(tmp_path / "cross.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0.01  # not blank

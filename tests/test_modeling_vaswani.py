@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
-from transformers import AutoModelForSeq2SeqLM
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_transformer.modeling_vaswani import (
@@ -203,8 +203,9 @@ def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sen
         decoded = torch.tensor([[model.config.decoder_start_token_id]])
         with torch.no_grad():
             for _ in range(12):
-                logits = model(input_ids=ids[None], attention_mask=mask[None], decoder_input_ids=decoded).logits
-                next_id = logits[0, -1].argmax()
+                logits = model(input_ids=ids[None], attention_mask=mask[None], decoder_input_ids=decoded).logits[0, -1]
+                logits[model.generation_config.suppress_tokens] = float("-inf")  # <pad> and <s> (§6.1 config)
+                next_id = logits.argmax()
                 decoded = torch.cat([decoded, next_id.view(1, 1)], dim=1)
                 if next_id == model.config.eos_token_id:
                     break
@@ -256,7 +257,7 @@ def test_presets_are_table_3():
         0.1,
     )
     assert (big.encoder_layers, big.d_model, big.d_ff, big.num_attention_heads, big.dropout) == (6, 1024, 4096, 16, 0.3)
-    assert base.head_dim == 64 and big.head_dim == 64
+    assert (base.key_dim, base.value_dim, big.key_dim, big.value_dim) == (64, 64, 64, 64)
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset("base"))
     # Table 3 reports 65M parameters for the base model with its 37,000-token vocabulary.
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(65e6, rel=0.05)
@@ -277,17 +278,18 @@ def test_label_smoothed_loss_and_its_gradient_match_pytorch_cross_entropy():
     assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, labels, 0.1), (logits,))
 
 
-def test_stacks_match_torch_nn_transformer_post_norm_on_a_padded_batch(tokenizer, test_sentences):
-    """Parity with an implementation written elsewhere: torch.nn.Transformer (post-LN, ReLU)."""
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm (paper)", "pre-norm option"])
+def test_stacks_match_torch_nn_transformer_on_a_padded_batch(tokenizer, test_sentences, norm_first):
+    """Parity with an implementation written elsewhere: torch.nn.Transformer (ReLU)."""
     d_model, heads, d_ff, layers = 32, 4, 64, 2
-    model = tiny_model(tokenizer, seed=11)
+    model = tiny_model(tokenizer, seed=11, normalize_before=norm_first)
     torch.manual_seed(12)
     reference = torch.nn.Transformer(
-        d_model, heads, layers, layers, d_ff, dropout=0.0, batch_first=True, norm_first=False
+        d_model, heads, layers, layers, d_ff, dropout=0.0, batch_first=True, norm_first=norm_first
     ).eval()
-    # The paper has no LayerNorm after each stack, and no biases on the attention projections.
-    reference.encoder.norm = None
-    reference.decoder.norm = None
+    if not norm_first:  # the paper has no LayerNorm after each stack; pre-norm needs one
+        reference.encoder.norm = None
+        reference.decoder.norm = None
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, torch.nn.LayerNorm):  # away from 1 and 0, so that a mix-up shows
@@ -325,6 +327,9 @@ def test_stacks_match_torch_nn_transformer_post_norm_on_a_padded_batch(tokenizer
             copy_sublayer(ours.encoder_attn_sublayer, theirs.norm2)
             copy_feed_forward(ours.feed_forward, theirs)
             copy_sublayer(ours.feed_forward_sublayer, theirs.norm3)
+        if norm_first:
+            model.model.encoder.layer_norm.load_state_dict(reference.encoder.norm.state_dict())
+            model.model.decoder.layer_norm.load_state_dict(reference.decoder.norm.state_dict())
 
         batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
         decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
@@ -388,3 +393,132 @@ def test_resize_token_embeddings_keeps_the_three_uses_tied(tokenizer):
     assert model.lm_head.weight is shared
     assert model.model.encoder.embeddings.embed_tokens.weight is shared
     assert model.model.decoder.embeddings.embed_tokens.weight is shared
+
+
+@pytest.mark.parametrize("penalty_type", ["gnmt", "hf"])
+def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
+    trained_model_dir, test_sentences, penalty_type
+):
+    # §6.1 uses the GNMT penalty lp(Y) = ((5 + |Y|) / 6) ** alpha; HF's |Y| ** alpha stays available.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    assert model.generation_config.length_penalty_type == "gnmt"  # the paper's, by default
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    output = model.generate(
+        **inputs,
+        num_beams=4,
+        num_return_sequences=4,
+        length_penalty=0.6,
+        length_penalty_type=penalty_type,
+        return_dict_in_generate=True,
+        output_scores=True,
+        max_new_tokens=60,
+    )
+    eos = model.config.eos_token_id
+    checked = 0
+    for row, sequence in enumerate(output.sequences):
+        generated = sequence[1:]
+        if not (generated == eos).any():
+            continue
+        length = int((generated == eos).int().argmax()) + 1  # |Y| counts </s>
+        source = row // 4
+        with torch.no_grad():
+            logits = model(
+                input_ids=inputs["input_ids"][source : source + 1],
+                attention_mask=inputs["attention_mask"][source : source + 1],
+                decoder_input_ids=sequence[None, :length],
+            ).logits
+        log_probability = logits[0].log_softmax(-1).gather(-1, generated[:length, None]).sum().item()
+        penalty = ((5 + length) / 6) ** 0.6 if penalty_type == "gnmt" else length**0.6
+        assert output.sequences_scores[row].item() == pytest.approx(log_probability / penalty, abs=1e-4)
+        checked += 1
+    assert checked >= 8
+
+
+def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):
+    inputs = tokenizer(test_sentences[0][:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="length_penalty_type"):
+        tiny_model(tokenizer).generate(**inputs, length_penalty_type="wu")
+
+
+# Table 3: parameters x 10^6 of the base model and of the variations that change them. Rows (A)
+# keep the count of the base model (d_k = d_v = d_model / h), so the paper leaves it blank.
+TABLE_3 = {
+    "base": ({}, 65),
+    "A h=1": (dict(num_attention_heads=1), 65),
+    "A h=32": (dict(num_attention_heads=32), 65),
+    "B d_k=16": (dict(d_k=16), 58),
+    "B d_k=32": (dict(d_k=32), 60),
+    "C N=2": (dict(encoder_layers=2, decoder_layers=2), 36),
+    "C N=4": (dict(encoder_layers=4, decoder_layers=4), 50),
+    "C N=8": (dict(encoder_layers=8, decoder_layers=8), 80),
+    "C d_ff=1024": (dict(d_ff=1024), 53),
+    "C d_ff=4096": (dict(d_ff=4096), 90),
+}
+
+
+def test_table_3_variations_change_the_parameter_count_as_the_paper_reports():
+    def millions(**overrides) -> float:
+        with torch.device("meta"):  # shapes only
+            model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset("base", **overrides))
+        return sum(p.numel() for p in model.parameters()) / 1e6
+
+    base = millions()
+    # The paper's counts include a vocabulary a few thousand tokens larger than the 37,000 it
+    # states (about 2M more embedding parameters in every row), so compare differences from the
+    # base model, each within the paper's rounding.
+    for row, (overrides, reported) in TABLE_3.items():
+        assert millions(**overrides) - base == pytest.approx(reported - 65, abs=1.0), row
+
+
+def test_explicit_head_sizes_shape_the_projections():
+    model = tiny_model(num_attention_heads=2, d_k=8, d_v=12)
+    attention = model.model.encoder.layers[0].self_attn
+    assert attention.q_proj.weight.shape == attention.k_proj.weight.shape == (16, 32)
+    assert attention.v_proj.weight.shape == (24, 32) and attention.out_proj.weight.shape == (32, 24)
+    ids = torch.tensor([[5, 6, 7, 2]])
+    assert model(input_ids=ids, labels=ids).logits.shape == (1, 4, 100)
+
+
+def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_limit():
+    model = tiny_model(position_embedding_type="learned", max_position_embeddings=16)
+    positions = model.model.encoder.embeddings.positional_encoding
+    assert isinstance(positions, torch.nn.Embedding) and positions.weight.shape == (16, 32)
+    assert positions.weight.requires_grad
+    ids = torch.full((1, 16), 7)
+    assert torch.isfinite(model(input_ids=ids, labels=ids).logits).all()
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        model(input_ids=torch.full((1, 17), 7), labels=ids)
+
+
+def test_config_rejects_unknown_options():
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        VaswaniConfig(position_embedding_type="rotary")
+    with pytest.raises(ValueError, match="activation_function"):
+        VaswaniConfig(activation_function="relu7")
+    with pytest.raises(ValueError, match="d_k"):
+        VaswaniConfig(d_k=0)
+
+
+def test_sinusoidal_model_encodes_and_decodes_inputs_far_longer_than_any_seen_in_training(trained_model_dir, corpus):
+    # §3.5: sinusoids "may allow the model to extrapolate to sequence lengths longer than the ones
+    # encountered during training"; nothing in the model limits the length.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    train = corpus["train"]
+    longest = max(len(ids) for lang in ("en", "de") for ids in tokenizer(list(train[lang]))["input_ids"])
+    test = corpus["test_2016_flickr"]
+    count = 0
+    while len(tokenizer(" ".join(test["en"][:count]))["input_ids"]) < 4 * longest:
+        count += 1
+    source, target = " ".join(test["en"][:count]), " ".join(test["de"][:count])
+    batch = tokenizer(source, text_target=target, return_tensors="pt")
+    assert batch["input_ids"].shape[1] >= 4 * longest and batch["labels"].shape[1] >= 4 * longest
+    with torch.no_grad():
+        output = model(**batch)
+    assert torch.isfinite(output.logits).all() and torch.isfinite(output.loss)
+    # Decoding, too, runs through positions far beyond the training maximum.
+    generated = model.generate(
+        **tokenizer(source, return_tensors="pt"), num_beams=2, min_new_tokens=4 * longest, max_new_tokens=4 * longest
+    )
+    assert generated.shape[1] == 4 * longest + 1

@@ -1,4 +1,4 @@
-"""The `vaswani-transformer` command: train, evaluate, translate.
+"""The `vaswani-transformer` command: train, evaluate, translate, convert-marian.
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_argument("--model", required=True, help="model directory or Hub id")
     translate.add_argument("--input", default="-", help="file of sentences, one per line; - for stdin (default)")
     _add_decoding_options(translate)
+
+    convert = commands.add_parser("convert-marian", help="import a Hugging Face MarianMTModel directory (OPUS-MT)")
+    convert.add_argument("source_dir", metavar="SRC_DIR", help="directory saved by MarianMTModel.save_pretrained")
+    convert.add_argument("output_dir", metavar="OUT_DIR", help="where to write the converted model")
+    convert.add_argument(
+        "--paper-decoding",
+        action="store_true",
+        help="decode as the paper does (beam 4, GNMT length penalty 0.6, input length + 50) instead of as Marian did",
+    )
     return parser
 
 
@@ -168,10 +177,21 @@ def _translate(args: argparse.Namespace) -> None:
             print(translation, flush=True)
 
 
+def _convert_marian(args: argparse.Namespace) -> None:
+    from .convert import convert_marian_directory
+
+    print(convert_marian_directory(args.source_dir, args.output_dir, paper_decoding=args.paper_decoding))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vaswani-transformer` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    command = {"train": _train, "evaluate": _evaluate, "translate": _translate}[args.command]
+    command = {
+        "train": _train,
+        "evaluate": _evaluate,
+        "translate": _translate,
+        "convert-marian": _convert_marian,
+    }[args.command]
     try:
         command(args)
     except (ValueError, OSError) as error:

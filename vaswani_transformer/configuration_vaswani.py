@@ -3,6 +3,7 @@
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 # Table 3 of the paper gives the base and big models (N, d_model, d_ff, h, P_drop; d_k = d_v =
 # d_model / h). "small" is not in the paper: it is sized to train to a useful translator on a
@@ -26,14 +27,30 @@ class VaswaniConfig(PretrainedConfig):
         d_ff: inner width of the position-wise feed-forward networks (§3.3).
         encoder_layers: number N of encoder layers (§3.1).
         decoder_layers: number N of decoder layers (§3.1).
-        num_attention_heads: number h of attention heads; d_k = d_v = d_model / h (§3.2.2).
+        num_attention_heads: number h of attention heads (§3.2.2; Table 3 rows A).
+        d_k: width of each head's queries and keys; None means d_model / h (§3.2.2; Table 3 rows A, B).
+        d_v: width of each head's values; None means d_model / h (§3.2.2; Table 3 row A).
         dropout: P_drop, applied to each sublayer output before the residual addition and to the
             sums of embeddings and positional encodings (§5.4).
         attention_dropout: dropout on the attention weights (not in the paper; 0 by default).
         activation_dropout: dropout after the ReLU of the feed-forward network (not in the paper;
             0 by default).
         label_smoothing: epsilon_ls of the training loss (§5.4).
-        layer_norm_eps: epsilon of every LayerNorm.
+        layer_norm_eps: epsilon of every LayerNorm (the paper does not give it).
+        position_embedding_type: "sinusoidal" (§3.5, any length) or "learned" (Table 3 row E:
+            one trained vector per position, up to `max_position_embeddings`).
+        max_position_embeddings: number of learned positions; read only when they are learned.
+        normalize_before: False is the paper's post-LayerNorm, LayerNorm(x + Dropout(Sublayer(x)));
+            True is pre-LayerNorm, x + Dropout(Sublayer(LayerNorm(x))) with a final LayerNorm on
+            each stack. Not in the paper: an option for very deep models, which train more stably so.
+        scale_embedding: multiply embeddings by sqrt(d_model) (§3.4). False only for imported
+            models trained without it.
+        attention_bias: biases on the attention projections. The paper has none (§3.2.2); True
+            only for imported models (HF Marian).
+        activation_function: the feed-forward non-linearity; "relu" in the paper (Eq. 2). Any name of
+            `transformers.activations.ACT2FN` ("swish" for imported OPUS-MT models).
+        add_final_logits_bias: add a fixed (not trained) bias to the output logits, as HF Marian
+            does. Not in the paper; False by default.
         pad_token_id, bos_token_id, eos_token_id: ids of `<pad>`, `<s>` and `</s>`.
         decoder_start_token_id: first decoder input; `<s>`, not `<pad>`, so that the padding row of
             the tied embedding never has to carry meaning.
@@ -41,8 +58,9 @@ class VaswaniConfig(PretrainedConfig):
             pre-softmax projection (§3.4).
 
     Raises:
-        ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1), or
-            d_model is odd or not divisible by num_attention_heads. The message names the field.
+        ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1), d_model
+            is odd or (with d_k or d_v unset) not divisible by num_attention_heads, or an option has
+            an unknown value. The message names the field.
     """
 
     model_type = "vaswani_transformer"
@@ -62,13 +80,22 @@ class VaswaniConfig(PretrainedConfig):
     encoder_layers: int = 6
     decoder_layers: int = 6
     num_attention_heads: int = 8
+    d_k: int | None = None
+    d_v: int | None = None
     dropout: float | int = 0.1
     attention_dropout: float | int = 0.0
     activation_dropout: float | int = 0.0
     label_smoothing: float | int = 0.1
     layer_norm_eps: float = 1e-5
+    position_embedding_type: str = "sinusoidal"
+    max_position_embeddings: int = 1024
+    normalize_before: bool = False
+    scale_embedding: bool = True
+    attention_bias: bool = False
+    activation_function: str = "relu"
+    add_final_logits_bias: bool = False
     pad_token_id: int = 0
-    bos_token_id: int = 1
+    bos_token_id: int | None = 1
     eos_token_id: int = 2
     decoder_start_token_id: int = 1
     tie_word_embeddings: bool = True
@@ -80,26 +107,43 @@ class VaswaniConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
 
     def _check_values(self) -> None:
-        for name in ("vocab_size", "d_model", "d_ff", "encoder_layers", "decoder_layers", "num_attention_heads"):
+        sizes = ("vocab_size", "d_model", "d_ff", "encoder_layers", "decoder_layers", "num_attention_heads")
+        optional_sizes = ("d_k", "d_v", "max_position_embeddings")
+        for name in sizes + optional_sizes:
             value = getattr(self, name)
+            if value is None and name in optional_sizes:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"VaswaniConfig.{name} must be a probability in [0, 1), got {value!r}.")
-        if self.d_model % self.num_attention_heads:
+        if (self.d_k is None or self.d_v is None) and self.d_model % self.num_attention_heads:
             raise ValueError(
                 f"VaswaniConfig.d_model ({self.d_model}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}) so that d_k = d_v = d_model / h (§3.2.2); change one of them."
+                f"({self.num_attention_heads}) so that d_k = d_v = d_model / h (§3.2.2); change one of them "
+                "or set d_k and d_v explicitly."
             )
         if self.d_model % 2:
             raise ValueError(
                 f"VaswaniConfig.d_model must be even, got {self.d_model}: the positional encoding pairs a sine "
                 "and a cosine per frequency (§3.5)."
             )
+        if self.position_embedding_type not in ("sinusoidal", "learned"):
+            raise ValueError(
+                "VaswaniConfig.position_embedding_type must be 'sinusoidal' or 'learned', "
+                f"got {self.position_embedding_type!r}."
+            )
+        if self.activation_function not in ACT2FN:
+            raise ValueError(
+                f"VaswaniConfig.activation_function {self.activation_function!r} is unknown; use one of "
+                f"{', '.join(sorted(ACT2FN))}."
+            )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
+            if name == "bos_token_id" and value is None:
+                continue  # imported models may have none
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ValueError(
                     f"VaswaniConfig.{name} must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}."
@@ -124,6 +168,11 @@ class VaswaniConfig(PretrainedConfig):
         return cls(**{**PRESETS[name], **overrides})
 
     @property
-    def head_dim(self) -> int:
-        """d_k = d_v = d_model / h (§3.2.2)."""
-        return self.d_model // self.num_attention_heads
+    def key_dim(self) -> int:
+        """d_k: `d_k` if set, else d_model / h (§3.2.2)."""
+        return self.d_k or self.d_model // self.num_attention_heads
+
+    @property
+    def value_dim(self) -> int:
+        """d_v: `d_v` if set, else d_model / h (§3.2.2)."""
+        return self.d_v or self.d_model // self.num_attention_heads

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import LogitsProcessor, LogitsProcessorList
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -61,6 +62,15 @@ class SinusoidalPositionalEncoding(nn.Module):
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
 
 
+class LearnedPositionalEmbedding(nn.Embedding):
+    """One trained d_model vector per position, up to a fixed number of positions (Table 3, row E).
+
+    The paper found "nearly identical results" to the sinusoids, which it kept because they may
+    extrapolate to lengths unseen in training; these cannot. Call it with `(*)` integer positions
+    to get `(*, d_model)` embeddings.
+    """
+
+
 # §3.2 Attention ----------------------------------------------------------------------------------
 
 
@@ -83,14 +93,15 @@ def scaled_dot_product_attention(
     Args:
         module: the calling attention module (gives `training`).
         query: `(batch, heads, target_len, d_k)`.
-        key, value: `(batch, heads, source_len, d_k)`.
+        key: `(batch, heads, source_len, d_k)`.
+        value: `(batch, heads, source_len, d_v)`.
         attention_mask: additive float mask broadcastable to `(batch, heads, target_len, source_len)`,
             0 where attending is allowed and the dtype's minimum where it is not; or None.
         scaling: 1 / sqrt(d_k).
         dropout: dropout probability on the weights.
 
     Returns:
-        The output, `(batch, target_len, heads, d_k)`, and the weights, `(batch, heads, target_len, source_len)`.
+        The output, `(batch, target_len, heads, d_v)`, and the weights, `(batch, heads, target_len, source_len)`.
     """
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
@@ -104,10 +115,12 @@ def scaled_dot_product_attention(
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
 
-    The h projections of each kind are one bias-free linear map of d_model to h * d_k = d_model, as
-    in the paper's parameter matrices. The module serves the three uses of §3.2.3: encoder
-    self-attention, masked decoder self-attention (`is_causal=True`) and encoder-decoder attention
-    (`is_cross_attention=True`, keys and values from the encoder output).
+    The h projections of each kind are one bias-free linear map, d_model to h * d_k for queries and
+    keys and to h * d_v for values, as in the paper's parameter matrices (d_k = d_v = d_model / h
+    unless the config sets them, Table 3 rows A and B; biases only with `attention_bias`). The
+    module serves the three uses of §3.2.3: encoder self-attention, masked decoder self-attention
+    (`is_causal=True`) and encoder-decoder attention (`is_cross_attention=True`, keys and values
+    from the encoder output).
     """
 
     def __init__(
@@ -117,21 +130,21 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = config.key_dim**-0.5
         self.dropout = config.attention_dropout
         # Read by the SDPA path of the attention interface: it must be False for non-causal attention,
         # or an unpadded encoder batch would silently be masked causally.
         self.is_causal = is_causal
         self.is_cross_attention = is_cross_attention
-        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.out_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        keys_width, values_width = self.num_heads * config.key_dim, self.num_heads * config.value_dim
+        self.q_proj = nn.Linear(config.d_model, keys_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.d_model, keys_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.d_model, values_width, bias=config.attention_bias)
+        self.out_proj = nn.Linear(values_width, config.d_model, bias=config.attention_bias)
 
     def _split_heads(self, states: torch.Tensor) -> torch.Tensor:
-        # (batch, length, d_model) -> (batch, heads, length, d_k)
-        return states.view(*states.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
+        # (batch, length, heads * d) -> (batch, heads, length, d)
+        return states.view(*states.shape[:-1], self.num_heads, -1).transpose(1, 2)
 
     def forward(
         self,
@@ -195,17 +208,21 @@ class MultiHeadAttention(nn.Module):
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (§3.3, Eq. 2), d_model -> d_ff -> d_model."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (§3.3, Eq. 2), d_model -> d_ff -> d_model.
+
+    max(0, .) is ReLU, the config's `activation_function` by default; imported models may use another.
+    """
 
     def __init__(self, config: VaswaniConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(config.d_model, config.d_ff)
         self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation = ACT2FN[config.activation_function]
         self.activation_dropout = config.activation_dropout
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`(batch, length, d_model)` -> `(batch, length, d_model)`."""
-        hidden_states = F.relu(self.fc1(hidden_states))
+        hidden_states = self.activation(self.fc1(hidden_states))
         hidden_states = F.dropout(hidden_states, p=self.activation_dropout, training=self.training)
         return self.fc2(hidden_states)
 
@@ -214,16 +231,22 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class SublayerConnection(nn.Module):
-    """LayerNorm(x + Dropout(Sublayer(x))): the residual connection around each sublayer (§3.1, §5.4)."""
+    """LayerNorm(x + Dropout(Sublayer(x))): the residual connection around each sublayer (§3.1, §5.4).
+
+    With `config.normalize_before` (not in the paper) it is x + Dropout(Sublayer(LayerNorm(x))) instead.
+    """
 
     def __init__(self, config: VaswaniConfig) -> None:
         super().__init__()
         self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.dropout = config.dropout
+        self.normalize_before = config.normalize_before
 
-    def forward(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
-        """Both inputs and the output are `(batch, length, d_model)`."""
-        return self.layer_norm(residual + F.dropout(sublayer_output, p=self.dropout, training=self.training))
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Apply `sublayer`, `(batch, length, d_model)` -> same shape, with its residual connection."""
+        if self.normalize_before:
+            return x + F.dropout(sublayer(self.layer_norm(x)), p=self.dropout, training=self.training)
+        return self.layer_norm(x + F.dropout(sublayer(x), p=self.dropout, training=self.training))
 
 
 class EncoderLayer(GradientCheckpointingLayer):
@@ -238,9 +261,10 @@ class EncoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
         """`(batch, source_len, d_model)` -> `(batch, source_len, d_model)`; the mask hides padding."""
-        attended, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
-        hidden_states = self.self_attn_sublayer(hidden_states, attended)
-        return self.feed_forward_sublayer(hidden_states, self.feed_forward(hidden_states))
+        hidden_states = self.self_attn_sublayer(
+            hidden_states, lambda x: self.self_attn(x, attention_mask=attention_mask, **kwargs)[0]
+        )
+        return self.feed_forward_sublayer(hidden_states, self.feed_forward)
 
 
 class DecoderLayer(GradientCheckpointingLayer):
@@ -269,19 +293,21 @@ class DecoderLayer(GradientCheckpointingLayer):
         `attention_mask` is the causal (and padding) mask of §3.2.3; `encoder_hidden_states` is
         `(batch, source_len, d_model)` with its padding mask `encoder_attention_mask`.
         """
-        attended, _ = self.self_attn(
-            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs
-        )
-        hidden_states = self.self_attn_sublayer(hidden_states, attended)
-        attended, _ = self.encoder_attn(
+        hidden_states = self.self_attn_sublayer(
             hidden_states,
-            key_value_states=encoder_hidden_states,
-            attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
-            **kwargs,
+            lambda x: self.self_attn(x, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0],
         )
-        hidden_states = self.encoder_attn_sublayer(hidden_states, attended)
-        return self.feed_forward_sublayer(hidden_states, self.feed_forward(hidden_states))
+        hidden_states = self.encoder_attn_sublayer(
+            hidden_states,
+            lambda x: self.encoder_attn(
+                x,
+                key_value_states=encoder_hidden_states,
+                attention_mask=encoder_attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )[0],
+        )
+        return self.feed_forward_sublayer(hidden_states, self.feed_forward)
 
 
 # §3.1 and §3.4 The stacks and their embeddings -----------------------------------------------------
@@ -316,22 +342,43 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif isinstance(module, VaswaniForConditionalGeneration) and module.final_logits_bias is not None:
+            nn.init.zeros_(module.final_logits_bias)
 
 
 class Embeddings(nn.Module):
-    """Token embedding times sqrt(d_model) plus the positional encoding, then dropout (§3.4, §3.5, §5.4)."""
+    """Token embedding times sqrt(d_model) plus the positional encoding, then dropout (§3.4, §3.5, §5.4).
+
+    The positional encoding is sinusoidal, or learned with `position_embedding_type="learned"`.
+    """
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.scale = math.sqrt(config.d_model)
-        self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        if config.position_embedding_type == "learned":
+            self.max_positions = config.max_position_embeddings
+            self.positional_encoding = LearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+        else:
+            self.max_positions = None
+            self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
         self.dropout = config.dropout
 
     def forward(self, input_ids: torch.Tensor, past_length: int = 0) -> torch.Tensor:
-        """`(batch, length)` token ids -> `(batch, length, d_model)`; positions start at `past_length`."""
+        """`(batch, length)` token ids -> `(batch, length, d_model)`; positions start at `past_length`.
+
+        Raises:
+            ValueError: learned positions and a sequence longer than `max_position_embeddings`.
+        """
+        end = past_length + input_ids.shape[1]
+        if self.max_positions is not None and end > self.max_positions:
+            raise ValueError(
+                f"The sequence reaches position {end} but the model learned only max_position_embeddings="
+                f"{self.max_positions} positions; shorten the input (e.g. tokenizer(..., truncation=True, "
+                f"max_length={self.max_positions})) or use sinusoidal positions."
+            )
         embeddings = self.embed_tokens(input_ids) * self.scale
-        positions = torch.arange(past_length, past_length + input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(past_length, end, device=input_ids.device)
         embeddings = embeddings + self.positional_encoding(positions).to(embeddings.dtype)
         return F.dropout(embeddings, p=self.dropout, training=self.training)
 
@@ -345,6 +392,8 @@ class VaswaniEncoder(VaswaniPreTrainedModel):
         super().__init__(config)
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([EncoderLayer(config, i) for i in range(config.encoder_layers)])
+        # Pre-LayerNorm leaves the last layer's output unnormalised.
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -371,6 +420,8 @@ class VaswaniEncoder(VaswaniPreTrainedModel):
         )
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, **kwargs)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
@@ -387,6 +438,7 @@ class VaswaniDecoder(VaswaniPreTrainedModel):
         super().__init__(config)
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -444,6 +496,8 @@ class VaswaniDecoder(VaswaniPreTrainedModel):
                 past_key_values=past_key_values,
                 **kwargs,
             )
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states, past_key_values=past_key_values
         )
@@ -603,8 +657,8 @@ def label_smoothed_cross_entropy(
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     """The Transformer for translation: `VaswaniModel` and the pre-softmax projection tied to the embeddings (§3.4).
 
-    `generate()` decodes with a key/value cache; the generation config saved with a trained
-    model holds the paper's beam search (beam 4, length penalty 0.6; §6.1).
+    `generate()` decodes with a key/value cache; a new model's generation config is the paper's
+    beam search (`paper_generation_config`, §6.1), and `from_pretrained` loads the saved one.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
@@ -613,6 +667,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = VaswaniModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Imported HF Marian models add a fixed bias to the logits; the paper has none.
+        if config.add_final_logits_bias:
+            self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
+        else:
+            self.final_logits_bias = None
+        self.generation_config = paper_generation_config(config)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -671,6 +731,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
         loss = None
         if labels is not None:
             loss = label_smoothed_cross_entropy(logits, labels, self.config.label_smoothing, num_items_in_batch)
@@ -686,6 +748,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             encoder_attentions=outputs.encoder_attentions,
         )
 
+    # Set by `generate` for the duration of one call; read by the beam search hooks below.
+    _gnmt_length_penalty = False
+
     def generate(
         self,
         inputs: torch.Tensor | None = None,
@@ -693,24 +758,37 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         logits_processor: LogitsProcessorList | None = None,
         **kwargs,
     ):
-        """`GenerationMixin.generate`, plus the paper's per-sentence output limit (§6.1).
+        """`GenerationMixin.generate`, plus the paper's decoding (§6.1): GNMT length penalty, per-sentence limit.
+
+        "We used beam search with a beam size of 4 and length penalty alpha = 0.6 [Wu et al., 2016]":
+        with `length_penalty_type="gnmt"` (in the generation config or as an argument) a finished
+        hypothesis Y scores log P(Y|X) / lp(Y), lp(Y) = ((5 + |Y|) / 6) ** alpha, alpha being
+        `length_penalty` and |Y| counting the generated tokens with `</s>`. `"hf"` (the default when
+        the generation config says nothing) keeps transformers' log P(Y|X) / |Y| ** alpha.
 
         "We set the maximum output length during inference to input length + 50": with
-        `max_length_a` and `max_length_b` set (in the generation config or as arguments, fairseq's
-        max_len_a and max_len_b), sentence i of the batch ends with `</s>` after at most
-        `max_length_a * source_length_i + max_length_b` tokens, source_length_i counting its
-        non-padding tokens. Without them, HF's batch-wide `max_new_tokens` alone applies.
+        `max_length_a` and `max_length_b` set (fairseq's max_len_a and max_len_b), sentence i of the
+        batch ends with `</s>` after at most `max_length_a * source_length_i + max_length_b` tokens,
+        source_length_i counting its non-padding tokens. Without them, HF's batch-wide
+        `max_new_tokens` alone applies.
 
         Args:
             inputs: `(batch, source_len)` source ids (or pass `input_ids=`).
             generation_config: replaces the model's generation config.
             logits_processor: extra logits processors.
-            **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`, ...).
+            **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`,
+                `length_penalty_type`, `max_length_a`, ...).
 
         Returns:
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
+
+        Raises:
+            ValueError: `length_penalty_type` is neither "gnmt" nor "hf".
         """
         config = generation_config or self.generation_config
+        penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
+        if penalty_type not in ("gnmt", "hf"):
+            raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
         a = kwargs.pop("max_length_a", getattr(config, "max_length_a", None))
         b = kwargs.pop("max_length_b", getattr(config, "max_length_b", None))
         source = inputs if inputs is not None else kwargs.get("input_ids")
@@ -723,9 +801,43 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             )
             longest = int(limits.max()) + 1  # room for the final </s>
             kwargs["max_new_tokens"] = min(longest, kwargs.get("max_new_tokens") or config.max_new_tokens or longest)
-        return super().generate(
-            inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
-        )
+        self._gnmt_length_penalty = penalty_type == "gnmt"
+        try:
+            return super().generate(
+                inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+            )
+        finally:
+            self._gnmt_length_penalty = False
+
+    # HF's beam search divides a hypothesis' log-probability by length ** length_penalty in exactly
+    # two places, the two methods below. For the GNMT penalty they receive, for the length at hand,
+    # the exponent e with length ** e = ((5 + length) / 6) ** alpha: the rest of HF's beam search
+    # (cache reordering, early stopping, batching of finished hypotheses) is reused unchanged.
+
+    def _update_finished_beams(self, **kwargs):
+        if self._gnmt_length_penalty:
+            length = kwargs["cur_len"] + 1 - kwargs["decoder_prompt_len"]
+            kwargs["length_penalty"] = _gnmt_as_power(length, kwargs["length_penalty"])
+        return super()._update_finished_beams(**kwargs)
+
+    def _check_early_stop_heuristic(self, **kwargs):
+        if self._gnmt_length_penalty:
+            if kwargs["early_stopping"] == "never" and kwargs["length_penalty"] > 0.0:
+                length = kwargs["max_length"] - kwargs["decoder_prompt_len"]
+            else:
+                length = kwargs["cur_len"] - kwargs["decoder_prompt_len"]
+            kwargs["length_penalty"] = _gnmt_as_power(length, kwargs["length_penalty"])
+        return super()._check_early_stop_heuristic(**kwargs)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, **kwargs) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, also resizing `final_logits_bias` (zeros for new tokens)."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, **kwargs)
+        if self.final_logits_bias is not None:
+            old = self.final_logits_bias[:, : embeddings.num_embeddings]
+            resized = old.new_zeros(1, embeddings.num_embeddings)
+            resized[:, : old.shape[1]] = old
+            self.final_logits_bias = resized
+        return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape."""
@@ -733,6 +845,54 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
 
 # §6.1 Decoding ------------------------------------------------------------------------------------
+
+
+def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
+    """The paper's decoding (§6.1): beam size 4, GNMT length penalty alpha 0.6, output length at most input length + 50.
+
+    Search stops as soon as 4 hypotheses are finished; `max_new_tokens` 256 caps every batch;
+    `<pad>` and `<s>` are never generated.
+
+    Args:
+        config: gives the special token ids.
+
+    Returns:
+        A `GenerationConfig` for `VaswaniForConditionalGeneration.generate`.
+    """
+    return GenerationConfig(
+        num_beams=4,
+        length_penalty=0.6,
+        length_penalty_type="gnmt",
+        early_stopping=True,
+        max_new_tokens=256,
+        max_length_a=1.0,
+        max_length_b=50,
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        suppress_tokens=[t for t in (config.pad_token_id, config.bos_token_id) if t is not None],
+    )
+
+
+def gnmt_length_penalty(length: int, alpha: float) -> float:
+    """lp(Y) = ((5 + |Y|) / 6) ** alpha, the length penalty of Wu et al. (2016) that §6.1 uses with alpha 0.6.
+
+    Args:
+        length: |Y|, output tokens (with `</s>`), >= 1.
+        alpha: the strength; 0 disables the penalty.
+
+    Returns:
+        The divisor of the hypothesis' log-probability.
+    """
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _gnmt_as_power(length: int, alpha: float) -> float:
+    # The exponent e with length ** e == gnmt_length_penalty(length, alpha); at length 1 both are 1.
+    if length <= 1:
+        return alpha
+    return math.log(gnmt_length_penalty(length, alpha)) / math.log(length)
 
 
 class SourceLengthLimit(LogitsProcessor):

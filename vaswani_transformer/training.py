@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from .configuration_vaswani import VaswaniConfig
 from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batches, tokenize_corpus
@@ -191,27 +191,6 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     return {name: (total / len(paths)).float() for name, total in average.items()}
 
 
-def default_generation_config(config: VaswaniConfig) -> GenerationConfig:
-    """The paper's decoding (§6.1): beam size 4, length penalty alpha = 0.6, output length at most input length + 50.
-
-    Search stops when 4 hypotheses are finished; `max_new_tokens` 256 caps every batch;
-    `<pad>` and `<s>` are never generated.
-    """
-    return GenerationConfig(
-        num_beams=4,
-        length_penalty=0.6,
-        early_stopping=True,
-        max_new_tokens=256,
-        max_length_a=1.0,
-        max_length_b=50,
-        decoder_start_token_id=config.decoder_start_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        suppress_tokens=[config.pad_token_id, config.bos_token_id],
-    )
-
-
 def train(config: TrainingConfig) -> Path:
     """Train a Transformer translator as §5 describes and save it to `config.output_dir`.
 
@@ -245,7 +224,6 @@ def train(config: TrainingConfig) -> Path:
         **config.model_overrides,
     )
     model = VaswaniForConditionalGeneration(model_config)
-    model.generation_config = default_generation_config(model_config)
 
     train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed)
     valid_batches = (

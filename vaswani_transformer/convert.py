@@ -1,0 +1,190 @@
+"""Import Hugging Face `MarianMTModel`s (the OPUS-MT models) as `VaswaniForConditionalGeneration`.
+
+Marian's architecture is the paper's Transformer with a few departures. Each is carried over
+exactly, never approximated:
+
+- its sinusoids are laid out [sin | cos] rather than interleaved (§3.5). That is a permutation of
+  the d_model dimensions, so the whole residual stream is permuted: every weight that reads from
+  or writes to it (embeddings, attention and feed-forward projections, LayerNorms) has its
+  d_model axis reordered. LayerNorm and the tied output projection are indifferent to the order,
+  so every output is unchanged;
+- biases on the attention projections, another activation than ReLU, no sqrt(d_model) embedding
+  scale and `final_logits_bias` become the config options `attention_bias`,
+  `activation_function`, `scale_embedding` and `add_final_logits_bias`;
+- `<pad>` as decoder start token and Marian's generation config (HF's length penalty and length
+  limits) are kept as they are, so a converted model decodes like the original until the user
+  asks for the paper's decoding (`paper_generation_config`).
+"""
+
+import copy
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import MarianMTModel
+
+from .configuration_vaswani import VaswaniConfig
+from .modeling_vaswani import VaswaniForConditionalGeneration, paper_generation_config
+
+# What MarianTokenizer (and a fast tokenizer, if one was saved) reads from a model directory.
+TOKENIZER_FILES = (
+    "source.spm",
+    "target.spm",
+    "vocab.json",
+    "target_vocab.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+)
+
+TIED_KEYS = (
+    "lm_head.weight",
+    "model.encoder.embeddings.embed_tokens.weight",
+    "model.decoder.embeddings.embed_tokens.weight",
+)
+
+
+def marian_to_interleaved_permutation(d_model: int) -> torch.Tensor:
+    """Index p with `interleaved = marian[..., p]`: Marian's sinusoid layout to the paper's (§3.5).
+
+    Marian lays out [sin_0 .. sin_{d/2-1} | cos_0 .. cos_{d/2-1}]; the paper interleaves
+    [sin_0, cos_0, sin_1, cos_1, ...].
+
+    Args:
+        d_model: even model width.
+
+    Returns:
+        `(d_model,)` long tensor [0, d/2, 1, d/2 + 1, ...].
+    """
+    half = d_model // 2
+    return torch.stack((torch.arange(half), torch.arange(half, d_model)), dim=-1).flatten()
+
+
+def _config_from_marian(marian_config) -> VaswaniConfig:
+    problems = []
+    if not marian_config.share_encoder_decoder_embeddings:
+        problems.append("separate source and target embeddings (share_encoder_decoder_embeddings=False)")
+    if marian_config.encoder_attention_heads != marian_config.decoder_attention_heads:
+        problems.append("different numbers of encoder and decoder attention heads")
+    if marian_config.encoder_ffn_dim != marian_config.decoder_ffn_dim:
+        problems.append("different encoder and decoder feed-forward widths")
+    if marian_config.d_model % 2:
+        problems.append(f"an odd d_model ({marian_config.d_model})")
+    if getattr(marian_config, "normalize_before", False):
+        problems.append("pre-LayerNorm layers")
+    if problems:
+        raise ValueError(
+            "This Marian model cannot be converted exactly: it has " + "; ".join(problems) + ". The paper's "
+            "Transformer shares one vocabulary and has identical encoder and decoder layer sizes."
+        )
+    return VaswaniConfig(
+        vocab_size=marian_config.vocab_size,
+        d_model=marian_config.d_model,
+        d_ff=marian_config.encoder_ffn_dim,
+        encoder_layers=marian_config.encoder_layers,
+        decoder_layers=marian_config.decoder_layers,
+        num_attention_heads=marian_config.encoder_attention_heads,
+        dropout=marian_config.dropout,
+        attention_dropout=marian_config.attention_dropout,
+        activation_dropout=marian_config.activation_dropout,
+        layer_norm_eps=1e-5,  # nn.LayerNorm's default, which Marian uses
+        scale_embedding=marian_config.scale_embedding,
+        attention_bias=True,
+        activation_function=marian_config.activation_function,
+        add_final_logits_bias=True,
+        pad_token_id=marian_config.pad_token_id,
+        bos_token_id=marian_config.bos_token_id,
+        eos_token_id=marian_config.eos_token_id,
+        decoder_start_token_id=marian_config.decoder_start_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def _marian_key(key: str) -> str:
+    # Our parameter name -> Marian's. Layer indices and the q/k/v/out_proj, fc1/fc2 names are shared.
+    return (
+        key.replace("self_attn_sublayer.layer_norm", "self_attn_layer_norm")
+        .replace("encoder_attn_sublayer.layer_norm", "encoder_attn_layer_norm")
+        .replace("feed_forward_sublayer.layer_norm", "final_layer_norm")
+        .replace("feed_forward.fc", "fc")
+    )
+
+
+def _residual_axes(key: str) -> tuple[int, ...]:
+    """The axes of parameter `key` (our name) that run along the d_model residual stream."""
+    if key == "model.shared.weight" or "layer_norm" in key:
+        return (-1,)
+    if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "fc1.weight")):
+        return (1,)  # they read the residual stream
+    if key.endswith(("out_proj.weight", "fc2.weight", "out_proj.bias", "fc2.bias")):
+        return (0,)  # they write to it
+    return ()
+
+
+@torch.no_grad()
+def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
+    """Convert a Hugging Face `MarianMTModel` into an equivalent `VaswaniForConditionalGeneration`.
+
+    The result computes the same logits (up to float rounding) and, with the copied generation
+    config, the same beam search output. See the module docstring for how each of Marian's
+    departures from the paper is carried over.
+
+    Args:
+        marian_model: a `MarianMTModel` with shared source/target embeddings.
+
+    Returns:
+        The converted model, in eval mode, on the CPU, in float32, with Marian's generation config.
+
+    Raises:
+        ValueError: the Marian model has features the paper's architecture cannot express exactly
+            (separate vocabularies, unequal encoder and decoder sizes, an odd d_model).
+    """
+    config = _config_from_marian(marian_model.config)
+    model = VaswaniForConditionalGeneration(config)
+    marian_state = {key: tensor.float().cpu() for key, tensor in marian_model.state_dict().items()}
+    permutation = marian_to_interleaved_permutation(config.d_model)
+
+    state = {}
+    for key in model.state_dict():
+        if key in TIED_KEYS:
+            continue  # the same tensor as model.shared.weight
+        if key == "final_logits_bias":
+            state[key] = marian_state["final_logits_bias"]
+            continue
+        tensor = marian_state[_marian_key(key)]
+        for axis in _residual_axes(key):
+            tensor = tensor.index_select(axis, permutation)
+        state[key] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(key in TIED_KEYS for key in missing), (missing, unexpected)
+    model.tie_weights()
+
+    model.generation_config = copy.deepcopy(marian_model.generation_config)
+    return model.eval()
+
+
+def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, paper_decoding: bool = False) -> Path:
+    """`vaswani-transformer convert-marian`: convert a saved Marian model directory and keep its tokenizer.
+
+    Args:
+        source_dir: a directory written by `MarianMTModel.save_pretrained` (an OPUS-MT download, say).
+        output_dir: where to save the converted model; Marian's tokenizer files are copied beside it,
+            so `AutoTokenizer.from_pretrained(output_dir)` loads Marian's own tokenizer.
+        paper_decoding: save the paper's generation config (`paper_generation_config`) instead of Marian's.
+
+    Returns:
+        `output_dir`.
+
+    Raises:
+        OSError: `source_dir` holds no loadable Marian model.
+        ValueError: see `from_marian`.
+    """
+    source_dir, output_dir = Path(source_dir), Path(output_dir)
+    model = from_marian(MarianMTModel.from_pretrained(source_dir))
+    if paper_decoding:
+        model.generation_config = paper_generation_config(model.config)
+    model.save_pretrained(output_dir)
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, output_dir / name)
+    return output_dir
