@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from huggingface_hub import ModelCard
+
 from vaswani_transformer.cli import main
 
 SENTENCE = "A man is riding a bicycle down the street."
@@ -18,7 +20,7 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     output = tmp_path / "hypotheses.de"
     status = main(
         ["evaluate", "--model", str(trained_model_dir), "--source", str(source), "--reference", str(reference),
-         "--output", str(output), "--batch-size", "16"]
+         "--output", str(output), "--batch-size", "16", "--dataset-name", "multi30k", "--split", "test_2016_flickr"]
     )  # fmt: skip
     assert status == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -26,6 +28,12 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     assert "tok:13a" in result["signature"] and "case:mixed" in result["signature"]
     hypotheses = output.read_text().splitlines()
     assert len(hypotheses) == 40 and sum(bool(h) for h in hypotheses) > 30
+    # The score lands in the model card, as Hub metadata (model-index) and in its text.
+    card = ModelCard.load(trained_model_dir / "README.md")
+    scores = {(r.dataset_type, r.dataset_split, r.metric_type): r for r in card.data.eval_results}
+    recorded = scores[("multi30k", "test_2016_flickr", "sacrebleu")]
+    assert recorded.metric_value == result["bleu"] and recorded.metric_config == result["signature"]
+    assert f"| sacreBLEU | {result['bleu']} |" in card.text
 
 
 def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_path, capsys):
@@ -85,3 +93,14 @@ def test_plot_attention_script_draws_every_head_of_a_saved_model(trained_model_d
 
     image = imread(tmp_path / "cross.png")
     assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0.01  # not blank
+
+
+def test_translate_draws_the_attention_of_each_sentence_on_request(trained_model_dir, tmp_path, capsys):
+    source = tmp_path / "input.en"
+    source.write_text(SENTENCE + "\n\nTwo dogs play in the snow.\n", encoding="utf-8")
+    status = main(["translate", "--model", str(trained_model_dir), "--input", str(source),
+                   "--attention-dir", str(tmp_path / "attention")])  # fmt: skip
+    assert status == 0
+    translations = capsys.readouterr().out.splitlines()
+    assert len(translations) == 3 and translations[0] and translations[1] == "" and translations[2]
+    assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["sentence-1.png", "sentence-3.png"]

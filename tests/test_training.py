@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from conftest import read_log
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 from vaswani_transformer.training import (
@@ -43,11 +44,26 @@ def test_trained_directory_holds_model_tokenizer_generation_config_and_code(trai
         "modeling_vaswani.py",
         "configuration_vaswani.py",
         "pipeline_translation.py",
+        "README.md",
+        "learning_curve.png",
     }
     assert expected <= names
     assert "checkpoints" not in names
     generation = json.loads((trained_model_dir / "generation_config.json").read_text())
     assert generation["num_beams"] == 4 and generation["length_penalty"] == 0.6
+    assert generation["length_penalty_type"] == "gnmt"
+    assert (trained_model_dir / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_training_writes_a_model_card_with_hub_metadata_and_the_recipe(trained_model_dir):
+    card = ModelCard.load(trained_model_dir / "README.md")
+    data = card.data
+    assert data.language == ["en", "de"] and data.pipeline_tag == "translation"
+    assert data.library_name == "transformers" and data.license == "apache-2.0"
+    assert data.datasets == ["multi30k"] and data.metrics == ["sacrebleu"]
+    assert "## Intended use" in card.text and "## Limitations" in card.text
+    log = read_log(trained_model_dir)
+    assert f"{log[-1]['step']:,} steps" in card.text and "label smoothing 0.1" in card.text
 
 
 def test_checkpoint_averaging_is_the_mean_of_the_weights(tmp_path):

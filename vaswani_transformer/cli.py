@@ -1,4 +1,4 @@
-"""The `vaswani-transformer` command: train, evaluate, translate, convert-marian.
+"""The `vaswani-transformer` command: train, evaluate, translate, push, convert-marian.
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
@@ -7,6 +7,7 @@ Expected failures (bad paths, bad values) print one line on stderr and exit with
 import argparse
 import json
 import sys
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +25,12 @@ def _model_option(text: str) -> tuple[str, object]:
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default: 64)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sentences per generate() call (default: 64; 1 when reading a terminal, to answer each line at once)",
+    )
     parser.add_argument(
         "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
     )
@@ -93,12 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--source", required=True, help="source sentences, one per line")
     evaluate.add_argument("--reference", required=True, help="reference translations, aligned by line")
     evaluate.add_argument("--output", default=None, help="file for the translations (default: none)")
+    evaluate.add_argument(
+        "--dataset-name", default=None, help="test set name for the model card (default: the source file's folder)"
+    )
+    evaluate.add_argument("--split", default=None, help="split name for the model card (default: the file's stem)")
+    evaluate.add_argument(
+        "--no-model-card", action="store_true", help="do not record the score in a local model's README.md"
+    )
     _add_decoding_options(evaluate)
 
     translate = commands.add_parser("translate", help="translate lines from a file or stdin to stdout")
     translate.add_argument("--model", required=True, help="model directory or Hub id")
     translate.add_argument("--input", default="-", help="file of sentences, one per line; - for stdin (default)")
+    translate.add_argument(
+        "--attention-dir",
+        default=None,
+        help="also draw each sentence's encoder-decoder attention (last layer, every head) as DIR/sentence-N.png",
+    )
     _add_decoding_options(translate)
+
+    push = commands.add_parser("push", help="upload a trained model directory to the Hugging Face Hub")
+    push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
+    push.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument(
+        "--commit-message", default="Upload Transformer translator", help="commit message (default: %(default)s)"
+    )
 
     convert = commands.add_parser("convert-marian", help="import a Hugging Face MarianMTModel directory (OPUS-MT)")
     convert.add_argument("source_dir", metavar="SRC_DIR", help="directory saved by MarianMTModel.save_pretrained")
@@ -147,6 +173,13 @@ def _train(args: argparse.Namespace) -> None:
     print(train(config))
 
 
+def _batch_size(args: argparse.Namespace) -> int:
+    if args.batch_size is not None:
+        return args.batch_size
+    interactive = getattr(args, "input", None) == "-" and sys.stdin.isatty()
+    return 1 if interactive else 64
+
+
 def _generate_kwargs(args: argparse.Namespace) -> dict:
     return {} if args.num_beams is None else {"num_beams": args.num_beams}
 
@@ -160,21 +193,71 @@ def _evaluate(args: argparse.Namespace) -> None:
             f"{args.source} has {len(sources)} lines but {args.reference} has {len(references)}; they must be aligned."
         )
     model, tokenizer = load_translator(args.model, args.device)
-    hypotheses = translate(model, tokenizer, sources, args.batch_size, progress=True, **_generate_kwargs(args))
+    hypotheses = translate(model, tokenizer, sources, _batch_size(args), progress=True, **_generate_kwargs(args))
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     bleu = corpus_bleu(hypotheses, references)
     print(json.dumps({"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}))
+    if Path(args.model).is_dir() and not args.no_model_card:
+        from huggingface_hub import EvalResult
+
+        from .hub import write_model_card
+
+        dataset = args.dataset_name or Path(args.source).resolve().parent.name
+        split = args.split or Path(args.source).stem
+        result = EvalResult(
+            task_type="translation",
+            dataset_type=dataset,
+            dataset_name=dataset,
+            dataset_split=split,
+            metric_type="sacrebleu",
+            metric_name="sacreBLEU",
+            metric_value=round(bleu["score"], 2),
+            metric_config=bleu["signature"],
+        )
+        write_model_card(args.model, eval_result=result)
 
 
 def _translate(args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
     from .evaluation import load_translator, translate_stream
 
     model, tokenizer = load_translator(args.model, args.device)
+    if args.attention_dir:
+        from .plotting import attention_maps, plot_attention
+
+        model.set_attn_implementation("eager")  # the only implementation that returns attention weights
+    sources: deque[str] = deque()
+
+    def remembered(lines):
+        for line in lines:
+            sources.append(line.rstrip("\n"))
+            yield line
+
     lines = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     with lines:
-        for translation in translate_stream(model, tokenizer, lines, args.batch_size, **_generate_kwargs(args)):
+        # A progress bar (on stderr) for files; stdin is answered line by line without one.
+        lines = tqdm(lines, unit="line", desc="Translating", disable=args.input == "-")
+        stream = translate_stream(model, tokenizer, remembered(lines), _batch_size(args), **_generate_kwargs(args))
+        for number, translation in enumerate(stream, 1):
             print(translation, flush=True)
+            source = sources.popleft()
+            if args.attention_dir and source.strip():
+                output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
+                path = Path(args.attention_dir) / f"sentence-{number}.png"
+                plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
+
+
+def _push(args: argparse.Namespace) -> None:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from .hub import push_translator
+
+    try:
+        print(push_translator(args.output_dir, args.repo_id, args.private, args.commit_message))
+    except HfHubHTTPError as error:  # authentication, permissions, network: one line, not a traceback
+        raise OSError(f"the Hub refused the upload to {args.repo_id}: {error}") from error
 
 
 def _convert_marian(args: argparse.Namespace) -> None:
@@ -190,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train": _train,
         "evaluate": _evaluate,
         "translate": _translate,
+        "push": _push,
         "convert-marian": _convert_marian,
     }[args.command]
     try:

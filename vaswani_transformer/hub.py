@@ -1,11 +1,15 @@
-"""Saving a translator so that it loads anywhere: with the package, without it, and as a pipeline."""
+"""Saving a translator so that it loads anywhere (with the package, without it, as a pipeline) and publishing it."""
 
+import json
 import shutil
 from pathlib import Path
 
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import pipeline_translation
+
+MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_card_template.md"
 
 # `pipeline("translation", model=..., trust_remote_code=True)` finds the class through this entry of
 # config.json (transformers 5 removed its own translation task).
@@ -35,3 +39,152 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     tokenizer.save_pretrained(output_dir)
     shutil.copy(pipeline_translation.__file__, output_dir / "pipeline_translation.py")
     return output_dir
+
+
+def push_translator(
+    output_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    commit_message: str = "Upload Transformer translator",
+    token: str | None = None,
+) -> str:
+    """`vaswani-transformer push`: upload a saved translator directory to a Hub model repository.
+
+    Everything in the directory goes: weights (safetensors), config, generation config,
+    tokenizer, the code for `trust_remote_code` users and the model card (`README.md`); training
+    leftovers (`checkpoints/`) do not. The endpoint and token are `huggingface_hub`'s
+    (`HF_ENDPOINT`, `HF_TOKEN`, `hf auth login`).
+
+    Args:
+        output_dir: a directory written by `train` or `save_translator`.
+        repo_id: "org/name"; the repository is created if it does not exist.
+        private: create the repository private.
+        commit_message: message of the upload commit.
+        token: overrides the stored or environment token.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        ValueError: `output_dir` holds no saved model (no config.json or model.safetensors).
+        huggingface_hub.errors.HfHubHTTPError: the Hub refused (authentication, permissions).
+    """
+    output_dir = Path(output_dir)
+    missing = [name for name in ("config.json", "model.safetensors") if not (output_dir / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{output_dir} is not a saved model: {', '.join(missing)} missing. Push the output directory of "
+            "`vaswani-transformer train` (or of save_pretrained)."
+        )
+    write_model_card(output_dir, model_id=repo_id)  # its usage snippet names the repository
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=output_dir,
+        commit_message=commit_message,
+        ignore_patterns=["checkpoints/*", "*.tmp"],
+    )
+    return commit.commit_url
+
+
+def write_model_card(
+    model_dir: str | Path, model_id: str | None = None, eval_result: EvalResult | None = None
+) -> Path:
+    """Write (or rewrite) `README.md`, the model card, of a saved translator directory.
+
+    The card has the Hub's metadata (languages, license, datasets, metrics, `pipeline_tag:
+    translation`, `library_name`, and a `model-index` of the measured scores), intended use, the
+    training recipe (from `training_config.json` and `training_log.jsonl` when present), the
+    evaluation results and limitations. Results already in the card are kept; `eval_result`
+    replaces one for the same dataset, split and metric. The template is `model_cards/template.md`.
+
+    Args:
+        model_dir: a directory written by `train` or `save_translator`.
+        model_id: the Hub id the usage example loads; default: the directory's name.
+        eval_result: a new score, e.g. from `vaswani-transformer evaluate`.
+
+    Returns:
+        The path of the card.
+
+    Raises:
+        OSError: `model_dir` has no config.json.
+    """
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    training = _read_json(model_dir / "training_config.json")
+    card_path = model_dir / "README.md"
+    results = (ModelCard.load(card_path).data.eval_results or []) if card_path.is_file() else []
+    if eval_result is not None:
+        key = (eval_result.dataset_type, eval_result.dataset_split, eval_result.metric_type)
+        results = [r for r in results if (r.dataset_type, r.dataset_split, r.metric_type) != key] + [eval_result]
+
+    source_lang, target_lang = training.get("source_lang", "source"), training.get("target_lang", "target")
+    dataset = _dataset_name(training.get("data")) if training else None
+    model_name = model_id.split("/")[-1] if model_id else model_dir.resolve().name
+    card_data = ModelCardData(
+        model_name=model_name,
+        language=[source_lang, target_lang] if training else None,
+        license="apache-2.0",
+        library_name="transformers",
+        pipeline_tag="translation",
+        tags=["translation", "vaswani_transformer", "transformer"],
+        datasets=[dataset] if dataset else None,
+        metrics=["sacrebleu"],
+        eval_results=results or None,
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_path=MODEL_CARD_TEMPLATE,
+        model_id=model_id or str(model_dir),
+        source_lang=source_lang,
+        target_lang=target_lang,
+        dataset=dataset or "an unknown corpus",
+        architecture=(
+            f"N = {config['encoder_layers']} + {config['decoder_layers']} layers, d_model = {config['d_model']}, "
+            f"d_ff = {config['d_ff']}, h = {config['num_attention_heads']}, "
+            f"{config['vocab_size']:,}-token shared BPE vocabulary"
+        ),
+        recipe=_recipe(training, _last_log_line(model_dir / "training_log.jsonl"), config),
+        eval_results=results,
+    )
+    card.save(card_path)
+    return card_path
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _last_log_line(path: Path) -> dict:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _dataset_name(data: str | None) -> str | None:
+    # A local corpus directory is named by its folder, a Hub dataset by its id.
+    if not data:
+        return None
+    return Path(data).name if Path(data).exists() else data
+
+
+def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str]]:
+    if not training:
+        return [("Training", "not recorded (no training_config.json)")]
+    rows = [
+        ("Model size", f"{training['preset']} preset, {training.get('model_overrides') or 'no overrides'}"),
+        ("Batch", f"{training['max_tokens']:,} padded tokens per side and device, sentences of similar length (§5.1)"),
+        ("Optimizer", f"Adam, beta1 {training['adam_beta1']}, beta2 {training['adam_beta2']}, "
+         f"eps {training['adam_epsilon']} (§5.3)"),
+        ("Learning rate", f"{training['learning_rate_scale']} x d_model^-0.5 x min(step^-0.5, step x "
+         f"{training['warmup_steps']}^-1.5) (§5.3, Eq. 3)"),
+        ("Regularisation", f"dropout {config['dropout']}, label smoothing {config['label_smoothing']} (§5.4)"),
+        ("Precision", training["mixed_precision"]),
+        ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {training['save_steps']} steps apart"),
+    ]
+    if last_log:
+        trained = f"{last_log['step']:,} steps ({last_log['epoch'] + 1} epochs)"
+        if "validation_loss" in last_log:
+            trained += f", final validation loss {last_log['validation_loss']:.3f} nats/token"
+        rows.append(("Trained", trained))
+    return rows

@@ -14,7 +14,8 @@ from transformers import Pipeline
 class TranslationPipeline(Pipeline):
     """Translate text with `model.generate()`, using the model's generation config (beam search, §6.1).
 
-    Call it with a string or a list of strings; each input gives `[{"translation_text": str}]`.
+    As transformers 4's pipeline did: a string gives `[{"translation_text": str}]`, a list of n
+    strings gives n such dicts, in order (n lists of dicts with `num_return_sequences` > 1).
     Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call.
     Inputs longer than the tokenizer's `model_max_length` are truncated.
     """
@@ -24,6 +25,13 @@ class TranslationPipeline(Pipeline):
     _load_image_processor = False
     _load_feature_extractor = False
     _load_tokenizer = True
+
+    def __call__(self, text: str | list[str], **generate_kwargs: Any) -> list[dict[str, str]]:
+        """Translate `text`, a string or a list of strings, with `generate_kwargs` for this call only."""
+        results = super().__call__(text, **generate_kwargs)
+        if isinstance(text, list) and all(len(result) == 1 for result in results):
+            return [result[0] for result in results]  # one translation per input, not one-element lists
+        return results
 
     def _sanitize_parameters(self, **generate_kwargs: Any) -> tuple[dict, dict, dict]:
         return {}, generate_kwargs, {}

@@ -22,8 +22,9 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokeni
 
 from .configuration_vaswani import VaswaniConfig
 from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batches, tokenize_corpus
-from .hub import save_translator
+from .hub import save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
 
 
@@ -283,5 +284,10 @@ def train(config: TrainingConfig) -> Path:
         _load_weights(final, average_checkpoints(checkpoints))
         save_translator(final, tokenizer, output_dir)
         (output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+        write_model_card(output_dir)
+        try:
+            plot_learning_curve(log_path, output_dir / "learning_curve.png")
+        except ImportError as error:  # matplotlib is optional
+            accelerator.print(f"No learning_curve.png: {error}")
         shutil.rmtree(checkpoints_dir)
     return output_dir

@@ -1,0 +1,65 @@
+"""A saved model without the package: trust_remote_code loads the copied code and pipeline."""
+
+import json
+import os
+import subprocess
+import sysconfig
+import venv
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from vaswani_transformer import VaswaniForConditionalGeneration
+
+SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the snow."]
+
+WITHOUT_PACKAGE = """
+import importlib.util, json, sys
+assert importlib.util.find_spec("vaswani_transformer") is None, "the package is importable"
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+path, sentences = sys.argv[1], json.loads(sys.argv[2])
+model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+translator = pipeline("translation", model=path, trust_remote_code=True)
+ids = model.generate(**tokenizer(sentences, padding=True, return_tensors="pt"))
+print(json.dumps({
+    "model_class": type(model).__module__,
+    "generate": tokenizer.batch_decode(ids, skip_special_tokens=True),
+    "pipeline": [t["translation_text"] for t in translator(sentences)],
+}))
+"""
+
+
+def test_a_fresh_environment_without_the_package_translates_like_the_package(trained_model_dir, tmp_path):
+    # A new virtual environment that sees the installed dependencies (torch, transformers, ...)
+    # through a path file, but not this package: its editable install works through a .pth hook
+    # of the base environment's site-packages, which a plain path entry does not run.
+    environment = tmp_path / "venv"
+    venv.create(environment, with_pip=False)
+    python = environment / "bin" / "python"
+    site_packages = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    dependencies = {os.path.dirname(os.path.dirname(torch.__file__)), sysconfig.get_paths()["purelib"]}
+    with open(os.path.join(site_packages, "dependencies.pth"), "w") as pth:
+        pth.write("\n".join(sorted(dependencies)) + "\n")
+
+    result = subprocess.run(
+        [python, "-c", WITHOUT_PACKAGE, str(trained_model_dir), json.dumps(SENTENCES)],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    without = json.loads(result.stdout.strip().splitlines()[-1])
+    # The classes came from the directory's copied code, not from an installed package.
+    assert without["model_class"].startswith("transformers_modules."), without["model_class"]
+
+    # With the package: its own classes (no remote code), the same translations.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)
+    assert type(model) is VaswaniForConditionalGeneration
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    ids = model.generate(**tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert all(expected)
+    assert without["pipeline"] == without["generate"] == expected
