@@ -64,9 +64,7 @@ def build_trainer(
         raise ValueError(f"{data} has no train split; fine-tuning needs one (found: {', '.join(corpus)}).")
 
     def tokenize(batch: dict) -> dict:
-        return tokenizer(
-            batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=max_length
-        )
+        return tokenizer(batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=max_length)
 
     tokenized = corpus.map(tokenize, batched=True, remove_columns=corpus["train"].column_names)
 

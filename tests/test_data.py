@@ -55,6 +55,31 @@ def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_len
     assert list(sampler) != batches, "each epoch draws a new order"
 
 
+@pytest.mark.parametrize("max_tokens", [2048, 4096])
+def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, tokenizer, max_tokens):
+    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["train"])
+    sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=max_tokens, seed=1)
+    batches = [np.array(b) for b in sampler]
+    real = sum(int(source_lengths[b].sum() + target_lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(source_lengths[b].max() + target_lengths[b].max()) for b in batches)
+    assert real / padded == pytest.approx(sampler.padding_efficiency()) and real / padded >= 0.95
+
+
+def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(corpus, tokenizer):
+    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["train"])
+    whole = list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5))
+    shards = [
+        list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5, num_shards=3, shard_index=i))
+        for i in range(3)
+    ]
+    assert len({len(shard) for shard in shards}) == 1, "every process runs the same number of steps"
+    usable = len(whole) - len(whole) % 3
+    assert [shard[k] for k in range(usable // 3) for shard in shards] == whole[:usable]
+    resumed = TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5, num_shards=3, shard_index=1)
+    resumed.set_epoch(0, skip=7)
+    assert list(resumed) == shards[1][7:]
+
+
 def test_training_pairs_that_are_too_long_or_empty_are_dropped(tmp_path, tokenizer):
     source, target = tmp_path / "t.en", tmp_path / "t.de"
     source.write_text("A dog.\n\n" + "word " * 100 + "\nA cat.\n", encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The `vaswani-transformer` command: train, evaluate, translate, push, convert-marian.
+"""The `vaswani-transformer` command: train, evaluate, translate, push, convert-marian, export-ctranslate2.
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
@@ -35,6 +35,13 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
     )
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    parser.add_argument(
+        "--long-inputs",
+        choices=["truncate", "error"],
+        default="truncate",
+        help="sentences longer than the model's limit (its tokenizer's model_max_length, in tokens): truncate them "
+        "with one warning, or stop with an error (default: truncate)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,21 +85,70 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument(
         "--max-tokens", type=int, default=4096, help="padded tokens per batch, per side and device (default: 4096)"
     )
+    recipe.add_argument(
+        "--update-freq",
+        type=int,
+        default=1,
+        help="batches accumulated per optimizer step and device; tokens per step = max-tokens x update-freq x "
+        "processes (default: 1; the paper's ~25,000 is e.g. 4096 x 6 on one device)",
+    )
     recipe.add_argument("--warmup-steps", type=int, default=4000, help="learning-rate warm-up steps (default: 4000)")
     recipe.add_argument(
         "--learning-rate-scale", type=float, default=1.0, help="factor on the §5.3 learning rate (default: 1)"
     )
-    recipe.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    recipe.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes of training")
+    recipe.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: no limit)"
+    )
+    recipe.add_argument(
+        "--max-minutes", type=float, default=None, help="stop after this many minutes of training (default: no limit)"
+    )
+    recipe.add_argument("--log-steps", type=int, default=100, help="training loss logged every N steps (default: 100)")
     recipe.add_argument("--eval-steps", type=int, default=500, help="validation loss every N steps (default: 500)")
-    recipe.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
+    recipe.add_argument(
+        "--bleu-sentences",
+        type=int,
+        default=0,
+        help="also translate the first N validation sentences with beam search at each validation and log their "
+        "sacreBLEU (default: 0, off)",
+    )
+    recipe.add_argument(
+        "--early-stopping-patience",
+        type=int,
+        default=None,
+        help="stop after N validations without a better BLEU (or loss, without --bleu-sentences) (default: never)",
+    )
     recipe.add_argument(
         "--average-last", type=int, default=5, help="average the last N checkpoints into the model (default: 5)"
     )
     recipe.add_argument(
         "--mixed-precision", choices=["no", "bf16", "fp16"], default="no", help="Accelerate's mixed precision"
     )
+    recipe.add_argument(
+        "--report-to", action="append", default=[], help="Accelerate tracker, e.g. tensorboard (repeatable)"
+    )
     recipe.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
+    faults = train.add_argument_group("checkpoints and faults")
+    faults.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
+    faults.add_argument(
+        "--save-minutes", type=float, default=None, help="also checkpoint every N minutes (default: by steps only)"
+    )
+    faults.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        help="checkpoints kept in OUTPUT_DIR/checkpoints, besides the best (default: --average-last)",
+    )
+    faults.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in OUTPUT_DIR/checkpoints exactly where its last checkpoint left it "
+        "(starts a new run when there is none)",
+    )
+    faults.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip (and count) steps whose loss is NaN or infinite instead of stopping the run",
+    )
 
     evaluate = commands.add_parser("evaluate", help="translate a test set and report sacreBLEU")
     evaluate.add_argument("--model", required=True, help="model directory or Hub id")
@@ -126,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--commit-message", default="Upload Transformer translator", help="commit message (default: %(default)s)"
     )
 
+    average = commands.add_parser("average", help="average a run's last checkpoints into a model (§6.1)")
+    average.add_argument("run_dir", metavar="OUTPUT_DIR", help="output directory of `train` (with checkpoints/)")
+    average.add_argument(
+        "--last", type=int, required=True, help="number of newest checkpoints to average (paper: 5 base, 20 big)"
+    )
+    average.add_argument(
+        "--output-dir", default=None, help="where to write the averaged model (default: OUTPUT_DIR itself)"
+    )
+
     convert = commands.add_parser("convert-marian", help="import a Hugging Face MarianMTModel directory (OPUS-MT)")
     convert.add_argument("source_dir", metavar="SRC_DIR", help="directory saved by MarianMTModel.save_pretrained")
     convert.add_argument("output_dir", metavar="OUT_DIR", help="where to write the converted model")
@@ -134,10 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode as the paper does (beam 4, GNMT length penalty 0.6, input length + 50) instead of as Marian did",
     )
+
+    export = commands.add_parser("export-ctranslate2", help="convert a saved model to CTranslate2 for serving")
+    export.add_argument("model_dir", metavar="MODEL_DIR", help="model directory with its tokenizer, as `train` writes")
+    export.add_argument("output_dir", metavar="OUT_DIR", help="where to write the CTranslate2 model")
+    export.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32"],
+        help="weight type stored (default: float32; CTranslate2 can also quantize when loading)",
+    )
+    export.add_argument(
+        "--max-positions", type=int, default=1024, help="longest source or target, in tokens (default: 1024)"
+    )
+    export.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
     return parser
 
 
 def _train(args: argparse.Namespace) -> None:
+    from .hub import ensure_writable
     from .training import TrainingConfig, train
 
     files = {}
@@ -167,9 +247,19 @@ def _train(args: argparse.Namespace) -> None:
         eval_steps=args.eval_steps,
         save_steps=args.save_steps,
         average_last=args.average_last,
+        update_freq=args.update_freq,
+        log_steps=args.log_steps,
+        bleu_sentences=args.bleu_sentences,
+        early_stopping_patience=args.early_stopping_patience,
+        save_minutes=args.save_minutes,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        skip_nonfinite=args.skip_nonfinite,
+        report_to=args.report_to,
         mixed_precision=args.mixed_precision,
         seed=args.seed,
     )
+    ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
 
 
@@ -185,15 +275,23 @@ def _generate_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    from .evaluation import corpus_bleu, load_translator, read_lines, translate
+    from .data import iter_lines
+    from .evaluation import corpus_bleu, load_translator, translate
+    from .hub import ensure_writable
 
-    sources, references = read_lines(args.source), read_lines(args.reference)
+    sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
     if len(sources) != len(references):
         raise ValueError(
             f"{args.source} has {len(sources)} lines but {args.reference} has {len(references)}; they must be aligned."
         )
+    if not sources:
+        raise ValueError(f"{args.source} is empty: give a test set with one sentence per line.")
+    if args.output:
+        ensure_writable(args.output, is_file=True)
     model, tokenizer = load_translator(args.model, args.device)
-    hypotheses = translate(model, tokenizer, sources, _batch_size(args), progress=True, **_generate_kwargs(args))
+    hypotheses = translate(
+        model, tokenizer, sources, _batch_size(args), True, args.long_inputs, **_generate_kwargs(args)
+    )
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     bleu = corpus_bleu(hypotheses, references)
@@ -221,8 +319,13 @@ def _evaluate(args: argparse.Namespace) -> None:
 def _translate(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
+    from .data import iter_lines
     from .evaluation import load_translator, translate_stream
+    from .hub import ensure_writable
 
+    if args.attention_dir:
+        ensure_writable(args.attention_dir)
+    lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
     model, tokenizer = load_translator(args.model, args.device)
     if args.attention_dir:
         from .plotting import attention_maps, plot_attention
@@ -235,18 +338,18 @@ def _translate(args: argparse.Namespace) -> None:
             sources.append(line.rstrip("\n"))
             yield line
 
-    lines = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    with lines:
-        # A progress bar (on stderr) for files; stdin is answered line by line without one.
-        lines = tqdm(lines, unit="line", desc="Translating", disable=args.input == "-")
-        stream = translate_stream(model, tokenizer, remembered(lines), _batch_size(args), **_generate_kwargs(args))
-        for number, translation in enumerate(stream, 1):
-            print(translation, flush=True)
-            source = sources.popleft()
-            if args.attention_dir and source.strip():
-                output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
-                path = Path(args.attention_dir) / f"sentence-{number}.png"
-                plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
+    # A progress bar (on stderr) for files; stdin is answered line by line without one.
+    lines = tqdm(lines, unit="line", desc="Translating", disable=args.input == "-")
+    stream = translate_stream(
+        model, tokenizer, remembered(lines), _batch_size(args), args.long_inputs, **_generate_kwargs(args)
+    )
+    for number, translation in enumerate(stream, 1):
+        print(translation, flush=True)
+        source = sources.popleft()
+        if args.attention_dir and source.strip():
+            output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
+            path = Path(args.attention_dir) / f"sentence-{number}.png"
+            plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
 
 
 def _push(args: argparse.Namespace) -> None:
@@ -260,10 +363,25 @@ def _push(args: argparse.Namespace) -> None:
         raise OSError(f"the Hub refused the upload to {args.repo_id}: {error}") from error
 
 
+def _average(args: argparse.Namespace) -> None:
+    from .training import average_run_checkpoints
+
+    print(average_run_checkpoints(args.run_dir, args.last, args.output_dir))
+
+
 def _convert_marian(args: argparse.Namespace) -> None:
     from .convert import convert_marian_directory
 
     print(convert_marian_directory(args.source_dir, args.output_dir, paper_decoding=args.paper_decoding))
+
+
+def _export_ctranslate2(args: argparse.Namespace) -> None:
+    from .export import export_ctranslate2
+
+    try:
+        print(export_ctranslate2(args.model_dir, args.output_dir, args.quantization, args.max_positions, args.force))
+    except ImportError as error:  # the optional dependency: one line, not a traceback
+        raise OSError(str(error)) from error
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,11 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "evaluate": _evaluate,
         "translate": _translate,
         "push": _push,
+        "average": _average,
         "convert-marian": _convert_marian,
+        "export-ctranslate2": _export_ctranslate2,
     }[args.command]
     try:
         command(args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, MemoryError) as error:
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

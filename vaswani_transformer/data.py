@@ -7,8 +7,10 @@ keeps only two integer arrays of lengths.
 
 import os
 import re
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import datasets
 import numpy as np
@@ -42,12 +44,17 @@ def _read_aligned_files(source_file: Path, target_file: Path, source_lang: str, 
     """One Arrow table with a column per language from two line-aligned text files."""
     for path in (source_file, target_file):
         if not path.is_file():
-            raise FileNotFoundError(f"Parallel corpus file {path} does not exist.")
+            raise FileNotFoundError(f"Parallel corpus file {path} does not exist; check the path and language codes.")
         if path.stat().st_size == 0:
-            raise ValueError(f"Parallel corpus file {path} is empty.")
+            raise ValueError(f"Parallel corpus file {path} is empty; it needs one sentence per line.")
     columns = []
     for path, lang in ((source_file, source_lang), (target_file, target_lang)):
-        table = datasets.load_dataset("text", data_files=str(path), split="train", keep_in_memory=False)
+        try:
+            table = datasets.load_dataset("text", data_files=str(path), split="train", keep_in_memory=False)
+        except datasets.exceptions.DatasetGenerationError:
+            # `datasets` reports a bad byte without the file or the line: find them, or re-raise its error.
+            deque(iter_lines(path), maxlen=0)
+            raise
         columns.append(table.rename_column("text", lang))
     if columns[0].num_rows != columns[1].num_rows:
         raise ValueError(
@@ -55,6 +62,46 @@ def _read_aligned_files(source_file: Path, target_file: Path, source_lang: str, 
             f"{columns[0].num_rows} lines and {target_file} has {columns[1].num_rows}."
         )
     return datasets.concatenate_datasets(columns, axis=1)
+
+
+def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) -> Iterator[str]:
+    """The lines of a UTF-8 text file or binary stream, without line ends, one at a time.
+
+    Lines end at a line feed only (a carriage return before it is dropped), as `wc -l` counts them;
+    a missing file is reported at once, but the file is opened only when the first line is asked
+    for, and closed after the last.
+
+    Args:
+        source: a path, or a binary stream such as `sys.stdin.buffer`.
+        name: what error messages call the source (default: the path, or the stream's name).
+
+    Returns:
+        An iterator over the lines, as strings.
+
+    Raises:
+        FileNotFoundError: the file does not exist (at the call).
+        ValueError: a line is not valid UTF-8, when that line is reached; the message names the
+            file and the line number.
+    """
+    if isinstance(source, (str, os.PathLike)) and not Path(source).is_file():
+        raise FileNotFoundError(f"{source} does not exist or is not a file; check the path.")
+    return _decoded_lines(source, name)
+
+
+def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> Iterator[str]:
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as handle:
+            yield from _decoded_lines(handle, name or str(source))
+        return
+    name = name or getattr(source, "name", "input")
+    for number, raw in enumerate(source, start=1):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{name}, line {number}: not valid UTF-8 ({error.reason}, byte {error.start + 1} of the line); "
+                "convert the file to UTF-8, e.g. with iconv."
+            ) from None
 
 
 def load_parallel_corpus(
@@ -82,8 +129,9 @@ def load_parallel_corpus(
 
     Raises:
         FileNotFoundError: a named file or directory does not exist.
-        ValueError: a file is empty, two aligned files differ in line count (both counts are
-            named), or the dataset has no training split or no column for a language.
+        ValueError: a file is empty, is not valid UTF-8 (the file and line are named), two aligned
+            files differ in line count (both files and counts are named), or the dataset has no
+            training split or no column for a language.
     """
     splits: dict[str, datasets.Dataset] = {}
     path = Path(data) if data else None
@@ -192,16 +240,25 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
     "Sentence pairs were batched together by approximate sequence length": indices are shuffled,
     sorted by length (stably, so equal lengths stay shuffled), cut into batches whose padded size
     `batch_size * max(source_len, target_len)` fits the budget, and the batches are shuffled.
-    Each epoch (see `set_epoch`) draws a new order from `seed + epoch`.
+    Each epoch (see `set_epoch`) draws a new order from `seed + epoch`, so any position in the data
+    can be recomputed from (epoch, batches done) alone: that is what a checkpoint records.
+
+    With several data-parallel processes, every process builds the same list of batches and takes
+    every `num_shards`-th one, starting at `shard_index`; the list is cut to a multiple of
+    `num_shards` (at most `num_shards - 1` batches of an epoch are left out) so that every process
+    runs the same number of steps. One optimizer step over all processes thus covers the same
+    batches as one process accumulating `num_shards` batches.
 
     Args:
         source_lengths, target_lengths: token counts per pair, arrays of shape `(num_pairs,)`.
         max_tokens: budget of padded tokens per side and batch.
         shuffle: shuffle pairs and batches; False keeps the sorted order (for evaluation).
         seed: random seed.
+        num_shards, shard_index: data-parallel processes and this process's rank.
 
     Raises:
-        ValueError: `max_tokens` is smaller than the longest pair, which could never be batched.
+        ValueError: `max_tokens` is smaller than the longest pair, which could never be batched, or
+            `shard_index` is not in [0, num_shards).
     """
 
     def __init__(
@@ -211,29 +268,40 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         max_tokens: int,
         shuffle: bool = True,
         seed: int = 0,
+        num_shards: int = 1,
+        shard_index: int = 0,
     ) -> None:
-        self.lengths = np.maximum(np.asarray(source_lengths), np.asarray(target_lengths))
+        self.source_lengths, self.target_lengths = np.asarray(source_lengths), np.asarray(target_lengths)
+        self.lengths = np.maximum(self.source_lengths, self.target_lengths)
         if len(self.lengths) and self.lengths.max() > max_tokens:
             raise ValueError(
                 f"max_tokens={max_tokens} is smaller than the longest sentence ({self.lengths.max()} tokens); "
                 "raise --max-tokens or lower --max-length."
             )
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}.")
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
-        self.epoch = 0
+        self.num_shards, self.shard_index = num_shards, shard_index
+        self.epoch, self.skip = 0, 0
         self._batches = self._make_batches()
 
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the order of epoch `epoch` (a number of completed passes over the data)."""
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Draw the order of epoch `epoch` (completed passes over the data) and start after its first `skip` batches.
+
+        `skip` counts this process's batches; resuming a run passes the position its checkpoint recorded.
+        """
         if epoch != self.epoch:
             self.epoch = epoch
             self._batches = self._make_batches()
+        self.skip = skip
 
     def _make_batches(self) -> list[np.ndarray]:
         rng = np.random.default_rng(self.seed + self.epoch)
         order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
-        order = order[np.argsort(self.lengths[order], kind="stable")]
+        # By the longer side, then by the source side, so that both sides of a batch pad little.
+        order = order[np.lexsort((self.source_lengths[order], self.lengths[order]))]
         sorted_lengths = self.lengths[order]
         batches, start = [], 0
         while start < len(order):
@@ -247,14 +315,21 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
             start = end
         if self.shuffle:
             rng.shuffle(batches)
-        return batches
+        usable = len(batches) - len(batches) % self.num_shards
+        return batches[self.shard_index : usable : self.num_shards]
+
+    def padding_efficiency(self) -> float:
+        """Real tokens over all tokens of the padded batches of this epoch, source and target together (<= 1)."""
+        real = sum(int(self.source_lengths[b].sum() + self.target_lengths[b].sum()) for b in self._batches)
+        padded = sum(len(b) * int(self.source_lengths[b].max() + self.target_lengths[b].max()) for b in self._batches)
+        return real / max(padded, 1)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self._batches:
+        for batch in self._batches[self.skip :]:
             yield batch.tolist()
 
     def __len__(self) -> int:
-        return len(self._batches)
+        return len(self._batches) - self.skip
 
 
 def lengths_of(table: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:

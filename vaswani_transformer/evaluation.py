@@ -1,18 +1,31 @@
 """Translate with beam search and score with sacreBLEU through `evaluate` (§6.1)."""
 
+import itertools
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import evaluate
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
+# What `translate` does with a source longer than the model's limit (`--long-inputs`).
+LONG_INPUT_CHOICES = ("truncate", "error")
+
+logger = logging.getLogger(__name__)
 
 
 def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id.
+    """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id, and check that they fit.
 
     Args:
         model_dir: what `from_pretrained` accepts.
@@ -20,51 +33,168 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
 
     Raises:
         OSError: the directory or repository does not hold a model (from `from_pretrained`).
+        ValueError: `config.json` holds impossible values (from `VaswaniConfig`), or the tokenizer
+            does not match the model (see `check_tokenizer_matches`).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    check_tokenizer_matches(model.config, tokenizer, model_dir)
+    return model.to(device).eval(), tokenizer
 
 
-@torch.inference_mode()
+def check_tokenizer_matches(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, where: str = "") -> None:
+    """Refuse a tokenizer that would feed the model ids it has no embedding for, or special tokens it does not know.
+
+    A tokenizer with more tokens than `config.vocab_size` makes the embedding lookup fail on the
+    first id beyond it (on GPUs as a device-side assert); special ids that disagree with the
+    config make the model pad, start or stop on the wrong token, silently.
+
+    Args:
+        config: the model's configuration (`vocab_size`, `pad_token_id`, `bos_token_id`, `eos_token_id`).
+        tokenizer: the tokenizer to check.
+        where: the model's directory or Hub id, for the message.
+
+    Raises:
+        ValueError: the tokenizer has more tokens than `config.vocab_size`, or one of its pad, bos
+            or eos ids differs from the config's (ids that either side leaves unset are not compared).
+    """
+    where = f" in {where}" if where else ""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"The tokenizer{where} has {len(tokenizer)} tokens but the model has embeddings for "
+            f"config.vocab_size={config.vocab_size}: use the tokenizer the model was trained with, or call "
+            "model.resize_token_embeddings(len(tokenizer)) and fine-tune."
+        )
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        tokenizer_id, config_id = getattr(tokenizer, name), getattr(config, name, None)
+        if tokenizer_id is not None and config_id is not None and tokenizer_id != config_id:
+            raise ValueError(
+                f"The tokenizer{where} has {name}={tokenizer_id} but the model's config has {name}={config_id}: "
+                "use the tokenizer the model was trained with, or correct config.json and generation_config.json."
+            )
+
+
+def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The longest source, in tokens with `</s>`, that `translate` gives the model, or None for no limit.
+
+    The tokenizer's `model_max_length` (training sets it to the longest training sentence,
+    `--max-length`) and, for learned positions (Table 3 row E), `max_position_embeddings`, beyond
+    which the model has no position vector. Sinusoidal positions (§3.5) set no limit of their own.
+    """
+    limits = [tokenizer.model_max_length] if tokenizer.model_max_length < VERY_LARGE_INTEGER else []
+    if getattr(model.config, "position_embedding_type", None) == "learned":
+        limits.append(model.config.max_position_embeddings)
+    return min(limits, default=None)
+
+
+class _Translator:
+    """Translates batches of sentences with `generate()`, applying the user's choice for too-long sources.
+
+    Sources longer than `source_length_limit` are truncated to it with one warning per instance
+    (one per `translate` call or stream), or raise, as `long_inputs` says.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        batch_size: int,
+        long_inputs: str,
+        generate_kwargs: dict,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
+        if long_inputs not in LONG_INPUT_CHOICES:
+            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUT_CHOICES)}, got {long_inputs!r}.")
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.long_inputs, self.generate_kwargs = long_inputs, generate_kwargs
+        self.limit = source_length_limit(model, tokenizer)
+        learned = self.limit is not None and self.limit < tokenizer.model_max_length
+        self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
+        self.warned = False
+
+    def check_lengths(self, sentences: list[str], first_number: int) -> None:
+        """Raise or warn (once) for sentences over the limit; `first_number` is the 1-based number of `sentences[0]`."""
+        if self.limit is None or self.warned or not sentences:  # the tokenizer fails on an empty list
+            return
+        # verbose=False: transformers would add its own warning about the length to ours.
+        lengths = [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]]
+        too_long = next((i for i, length in enumerate(lengths) if length > self.limit), None)
+        if too_long is None:
+            return
+        problem = (
+            f"Sentence {first_number + too_long} has {lengths[too_long]} tokens, more than the model's limit of "
+            f"{self.limit} ({self.limit_name})"
+        )
+        if self.long_inputs == "error":
+            raise ValueError(f"{problem}; shorten or split it, or pass long_inputs='truncate' (--long-inputs).")
+        logger.warning(
+            f"{problem}: it and any other sentence that long are truncated to {self.limit} tokens "
+            "(warned once); pass long_inputs='error' (--long-inputs error) to fail instead."
+        )
+        self.warned = True
+
+    @torch.inference_mode()
+    def translate(self, sentences: list[str], progress: bool = False) -> list[str]:
+        """Translate `sentences` (already checked) in batches of similar length; the output keeps their order."""
+        # Sorting by length keeps padding, and so wasted work, small.
+        order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
+        translations = [""] * len(sentences)
+        with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
+            for start in range(0, len(order), self.batch_size):
+                indices = [i for i in order[start : start + self.batch_size] if sentences[i].strip()]
+                if indices:
+                    inputs = self.tokenizer(
+                        [sentences[i] for i in indices],
+                        return_tensors="pt",
+                        padding=True,
+                        truncation=self.limit is not None,
+                        max_length=self.limit,
+                    ).to(self.model.device)
+                    output_ids = self.model.generate(**inputs, **self.generate_kwargs)
+                    texts = self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
+                    for i, text in zip(indices, texts, strict=True):
+                        translations[i] = text.strip()
+                bar.update(min(self.batch_size, len(order) - start))
+        return translations
+
+
 def translate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     sentences: list[str],
     batch_size: int = 64,
     progress: bool = False,
+    long_inputs: str = "truncate",
     **generate_kwargs,
 ) -> list[str]:
     """Translate sentences in batches of similar length with `model.generate()`.
 
-    Sorting by length before batching keeps padding, and so wasted work, small; the output is in
-    the input's order. Decoding follows the model's generation config (beam 4 and length penalty
-    0.6 for models trained here, §6.1) unless `generate_kwargs` say otherwise.
+    Decoding follows the model's generation config (beam 4 and length penalty 0.6 for models
+    trained here, §6.1) unless `generate_kwargs` say otherwise. Every sentence is measured before
+    any is translated, so `long_inputs="error"` fails before doing work.
 
     Args:
         model, tokenizer: from `load_translator`.
-        sentences: source sentences; an empty string translates to an empty string.
+        sentences: source sentences; an empty (or blank) string translates to an empty string, an
+            empty list to an empty list, without calling the model.
         batch_size: sentences per `generate()` call.
         progress: show a progress bar (in sentences).
+        long_inputs: for sources longer than `source_length_limit` (tokens): "truncate" them to
+            it with one warning (logged), or "error".
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
-        One translation per sentence, detokenized.
+        One translation per sentence, detokenized, in the input's order.
+
+    Raises:
+        ValueError: `batch_size` < 1, an unknown `long_inputs`, or (with "error") a source over
+            the limit; the message names the sentence (1-based) and its length.
     """
-    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
-    translations = [""] * len(sentences)
-    with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
-        for start in range(0, len(order), batch_size):
-            indices = [i for i in order[start : start + batch_size] if sentences[i].strip()]
-            if indices:
-                inputs = tokenizer(
-                    [sentences[i] for i in indices], return_tensors="pt", padding=True, truncation=True
-                ).to(model.device)
-                output_ids = model.generate(**inputs, **generate_kwargs)
-                for i, text in zip(indices, tokenizer.batch_decode(output_ids, skip_special_tokens=True), strict=True):
-                    translations[i] = text.strip()
-            bar.update(min(batch_size, len(order) - start))
-    return translations
+    translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
+    translator.check_lengths(sentences, first_number=1)
+    return translator.translate(sentences, progress)
 
 
 def translate_stream(
@@ -72,21 +202,23 @@ def translate_stream(
     tokenizer: PreTrainedTokenizerBase,
     lines: Iterable[str],
     batch_size: int = 64,
+    long_inputs: str = "truncate",
     **generate_kwargs,
 ) -> Iterator[str]:
     """Translate lines as they arrive (e.g. from stdin), `batch_size` at a time, in order.
 
     A line is translated as soon as its batch is full or the input ends; pass `batch_size=1` to
-    answer every line at once in an interactive session.
+    answer every line at once in an interactive session. Lines lose a trailing newline; an
+    empty line gives an empty line, and no lines give no output. Arguments and errors are those
+    of `translate` (sentence numbers count from the first line of the stream); a too-long line
+    raises only when its batch is reached, after the lines before it were yielded.
     """
-    batch: list[str] = []
-    for line in lines:
-        batch.append(line.rstrip("\n"))
-        if len(batch) == batch_size:
-            yield from translate(model, tokenizer, batch, batch_size, **generate_kwargs)
-            batch = []
-    if batch:
-        yield from translate(model, tokenizer, batch, batch_size, **generate_kwargs)
+    translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
+    lines, first_number = iter(lines), 1
+    while batch := [line.rstrip("\n") for line in itertools.islice(lines, batch_size)]:
+        translator.check_lengths(batch, first_number)
+        yield from translator.translate(batch)
+        first_number += len(batch)
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False, tokenize: str = "13a") -> dict:
@@ -101,28 +233,13 @@ def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = 
         `{"score": BLEU (0-100), "signature": sacreBLEU signature, ...}`.
 
     Raises:
-        ValueError: the lists differ in length.
+        ValueError: the lists differ in length or are empty.
     """
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: they must be aligned.")
+    if not hypotheses:
+        raise ValueError("No sentences to score: BLEU of an empty test set is undefined; give a non-empty test set.")
     metric = evaluate.load(SACREBLEU_SCRIPT)
     return metric.compute(
         predictions=hypotheses, references=[[r] for r in references], lowercase=lowercase, tokenize=tokenize
     )
-
-
-def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file, without line ends.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the file is not valid UTF-8 (the line number is named).
-    """
-    lines = []
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                lines.append(raw.decode("utf-8").rstrip("\r\n"))
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid UTF-8 ({error.reason}).") from None
-    return lines

@@ -1,7 +1,10 @@
 """Saving a translator so that it loads anywhere (with the package, without it, as a pipeline) and publishing it."""
 
+import errno
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
@@ -23,11 +26,13 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 
     `save_pretrained` copies the modeling and configuration files (the classes are registered for
     the Auto classes), so `trust_remote_code=True` loads the directory without this package; the
-    translation pipeline's file is copied beside them.
+    translation pipeline's file is copied beside them. The tokenizer is saved without the
+    truncation and padding settings that its last call left in its fast backend.
 
     Args:
         model: the model to save.
-        tokenizer: its tokenizer.
+        tokenizer: its tokenizer (its backend's truncation and padding are switched off; every
+            call of a transformers tokenizer sets its own).
         output_dir: created if missing; files already there are overwritten.
 
     Returns:
@@ -36,9 +41,52 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     output_dir = Path(output_dir)
     model.config.custom_pipelines = CUSTOM_PIPELINES
     model.save_pretrained(output_dir)
+    # Otherwise tokenizer.json records whatever the last call used (e.g. truncation at
+    # --max-length + 1 from training, or nothing when `datasets` took the tokenized corpus from
+    # its cache), and tools that read the file directly would apply it.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
     tokenizer.save_pretrained(output_dir)
     shutil.copy(pipeline_translation.__file__, output_dir / "pipeline_translation.py")
     return output_dir
+
+
+def ensure_writable(path: str | Path, is_file: bool = False) -> Path:
+    """Check that `path` can be written before any work is done, creating the directory if needed.
+
+    A directory is proved writable by creating and removing a file in it, which also catches
+    read-only file systems and paths that lead through a file; a file needs a writable directory
+    and must not be a directory or an existing file that cannot be written.
+
+    Args:
+        path: an output directory (`train --output-dir`), or with `is_file`, an output file
+            (`evaluate --output`), whose directory is created.
+        is_file: whether `path` names a file.
+
+    Returns:
+        `path` as a `Path`.
+
+    Raises:
+        OSError: `path` cannot be written; the message names it and the reason.
+    """
+    path = Path(path)
+    directory = path.parent if is_file else path
+    try:
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+        if is_file and path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if is_file and path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as error:
+        message = f"Cannot write to {path}: {error.strerror or error}; choose another path or fix the permissions."
+        raise OSError(message) from error
+    return path
 
 
 def push_translator(
@@ -88,9 +136,7 @@ def push_translator(
     return commit.commit_url
 
 
-def write_model_card(
-    model_dir: str | Path, model_id: str | None = None, eval_result: EvalResult | None = None
-) -> Path:
+def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_result: EvalResult | None = None) -> Path:
     """Write (or rewrite) `README.md`, the model card, of a saved translator directory.
 
     The card has the Hub's metadata (languages, license, datasets, metrics, `pipeline_tag:
@@ -174,10 +220,16 @@ def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str
     rows = [
         ("Model size", f"{training['preset']} preset, {training.get('model_overrides') or 'no overrides'}"),
         ("Batch", f"{training['max_tokens']:,} padded tokens per side and device, sentences of similar length (§5.1)"),
-        ("Optimizer", f"Adam, beta1 {training['adam_beta1']}, beta2 {training['adam_beta2']}, "
-         f"eps {training['adam_epsilon']} (§5.3)"),
-        ("Learning rate", f"{training['learning_rate_scale']} x d_model^-0.5 x min(step^-0.5, step x "
-         f"{training['warmup_steps']}^-1.5) (§5.3, Eq. 3)"),
+        (
+            "Optimizer",
+            f"Adam, beta1 {training['adam_beta1']}, beta2 {training['adam_beta2']}, "
+            f"eps {training['adam_epsilon']} (§5.3)",
+        ),
+        (
+            "Learning rate",
+            f"{training['learning_rate_scale']} x d_model^-0.5 x min(step^-0.5, step x "
+            f"{training['warmup_steps']}^-1.5) (§5.3, Eq. 3)",
+        ),
         ("Regularisation", f"dropout {config['dropout']}, label smoothing {config['label_smoothing']} (§5.4)"),
         ("Precision", training["mixed_precision"]),
         ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {training['save_steps']} steps apart"),

@@ -2,9 +2,16 @@
 
 The paper encodes sentences with byte-pair encoding (Sennrich et al., 2016) and one vocabulary
 shared by source and target. Here BPE runs over bytes (as in GPT-2 and BART): every Unicode
-string has an encoding, no token is ever `<unk>`, and decoding gives the text back exactly.
-The only text that does not round-trip is what the NFC normalizer changes (for example a
-decomposed "e" + combining acute accent comes back as the single character "é").
+string has an encoding, no token is ever `<unk>`, and decoding gives the text back exactly,
+whitespace, control characters and all (`tests/test_properties.py` checks this on arbitrary
+Unicode text with hypothesis), with two exceptions:
+
+- NFC normalization: text comes back in NFC form, so a decomposed "e" + combining acute accent
+  comes back as the single character "é", and compatibility singletons such as the Angstrom sign
+  U+212B as their canonical letter ("Å", U+00C5).
+- The literal strings `<pad>`, `<s>`, `</s>` and `<unk>` in the text are read as those special
+  tokens (so "</s>" inside a sentence ends it for the model) and `skip_special_tokens=True`
+  drops them on decoding.
 """
 
 from collections.abc import Iterable, Iterator
@@ -30,6 +37,8 @@ def train_tokenizer(
     Returns:
         A fast tokenizer with `<pad>`, `<s>`, `</s>`, `<unk>` at ids 0 to 3 that appends `</s>`
         to every sequence; `save_pretrained` writes it for `AutoTokenizer.from_pretrained`.
+        Decoding gives back any text except for NFC normalization and special-token strings
+        (see the module docstring).
 
     Raises:
         ValueError: `vocab_size` leaves no room for merges (it must exceed 260), or `texts` is empty.

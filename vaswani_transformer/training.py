@@ -1,28 +1,29 @@
 """The paper's training recipe (§5) on Accelerate: token batches, Adam, warm-up, label smoothing.
 
 `train(TrainingConfig(...))` reads a parallel corpus, trains (or loads) the shared BPE
-tokenizer, trains a `VaswaniForConditionalGeneration` on one CPU or many devices, averages the
-last checkpoints (§6.1), and writes a directory that `from_pretrained` loads.
+tokenizer, trains a `VaswaniForConditionalGeneration` on one CPU or many devices (data parallel
+under `accelerate launch`), checkpoints so that a killed run resumes exactly, averages the last
+checkpoints (§6.1), and writes a directory that `from_pretrained` loads.
 """
 
+import contextlib
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
-from safetensors.torch import load_file, save_file
+from accelerate.utils import broadcast, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
+from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
 from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batches, tokenize_corpus
-from .hub import save_translator, write_model_card
+from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
@@ -35,27 +36,43 @@ class TrainingConfig:
     Attributes:
         data: corpus directory or Hub dataset id (see `load_parallel_corpus`).
         source_lang, target_lang: language codes.
-        output_dir: where the trained model, tokenizer and generation config are written.
+        output_dir: where the trained model, tokenizer, generation config, log and checkpoints go.
         preset: model size, "small", "base" or "big" (`VaswaniConfig.from_preset`).
         model_overrides: other `VaswaniConfig` fields, e.g. `{"dropout": 0.2}`.
         tokenizer: directory of an existing tokenizer; None trains one on the training split.
         vocab_size: tokens in the trained BPE vocabulary (§5.1: 37,000 for WMT14 En-De).
         max_length: longest training sentence, in tokens.
         max_tokens: padded source (and target) tokens per batch and device (§5.1).
+        update_freq: batches accumulated per optimizer step on each device (fairseq's
+            `--update-freq`): one step sees `max_tokens * update_freq * processes` tokens per side,
+            ~25,000 in the paper (§5.1).
         learning_rate_scale: factor on the §5.3 schedule
             lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5) (Eq. 3); 1 is the paper's.
         warmup_steps: linear warm-up length in optimizer steps (§5.3: 4000).
         adam_beta1, adam_beta2, adam_epsilon: Adam's (§5.3: 0.9, 0.98, 1e-9).
         max_steps: stop after this many optimizer steps (None: no limit).
-        max_minutes: stop after this many minutes of training (None: no limit).
-        eval_steps: validation loss every this many steps.
+        max_minutes: stop after this many minutes of training, resumed runs included (None: no limit).
+        log_steps: a training-loss record every this many steps.
+        eval_steps: validation loss (and BLEU) every this many steps.
+        bleu_sentences: translate this many validation sentences with beam search at each
+            validation and record their sacreBLEU (0: no BLEU during training).
+        early_stopping_patience: stop when validation BLEU (or loss, without BLEU) has not improved
+            for this many validations (None: never).
         save_steps: a checkpoint every this many steps.
+        save_minutes: also a checkpoint every this many minutes (None: by steps only).
+        keep_checkpoints: checkpoints kept on disk (default: `average_last`); the best one is also kept.
         average_last: average the weights of this many last checkpoints into the final model (§6.1);
             1 keeps the final weights.
-        mixed_precision: "no", "bf16" or "fp16" (Accelerate's setting).
+        resume: continue the run saved in `output_dir/checkpoints` (a new run when there is none).
+        skip_nonfinite: skip a step whose loss is NaN or infinite (counted in the log) instead of stopping.
+        mixed_precision: "no", "bf16" or "fp16" (Accelerate's setting; fp16 scales the loss).
+        report_to: Accelerate trackers to log to, e.g. ["tensorboard"] (logs in `output_dir/runs`).
         seed: random seed of initialisation, dropout and batch order.
         dataset_config: configuration name of a Hub dataset.
         files: explicit `{split: (source_file, target_file)}` (see `load_parallel_corpus`).
+
+    Raises:
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), or a size that is not positive.
     """
 
     data: str
@@ -68,6 +85,7 @@ class TrainingConfig:
     vocab_size: int = 8000
     max_length: int = 256
     max_tokens: int = 4096
+    update_freq: int = 1
     learning_rate_scale: float = 1.0
     warmup_steps: int = 4000
     adam_beta1: float = 0.9
@@ -75,10 +93,18 @@ class TrainingConfig:
     adam_epsilon: float = 1e-9
     max_steps: int | None = None
     max_minutes: float | None = None
+    log_steps: int = 100
     eval_steps: int = 500
+    bleu_sentences: int = 0
+    early_stopping_patience: int | None = None
     save_steps: int = 500
+    save_minutes: float | None = None
+    keep_checkpoints: int | None = None
     average_last: int = 5
+    resume: bool = False
+    skip_nonfinite: bool = False
     mixed_precision: str = "no"
+    report_to: list[str] = field(default_factory=list)
     seed: int = 1
     dataset_config: str | None = None
     files: dict = field(default_factory=dict)
@@ -90,13 +116,21 @@ class TrainingConfig:
             "vocab_size",
             "max_length",
             "max_tokens",
+            "update_freq",
             "warmup_steps",
+            "log_steps",
             "eval_steps",
             "save_steps",
             "average_last",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.keep_checkpoints is None:
+            self.keep_checkpoints = self.average_last
+        if self.keep_checkpoints < self.average_last:
+            raise ValueError(
+                f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
+            )
 
 
 def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
@@ -113,7 +147,13 @@ def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float =
     return learning_rate
 
 
-def _prepare_tokenizer(config: TrainingConfig, corpus) -> PreTrainedTokenizerBase:
+class NonFiniteLossError(ValueError):
+    """The loss became NaN or infinite; the run stopped before updating the weights with it."""
+
+
+def _prepare_tokenizer(config: TrainingConfig, corpus, resuming: bool) -> PreTrainedTokenizerBase:
+    if resuming:  # the tokenizer the run started with, saved beside its checkpoints
+        return AutoTokenizer.from_pretrained(config.output_dir)
     if config.tokenizer:
         return AutoTokenizer.from_pretrained(config.tokenizer)
     return train_tokenizer(
@@ -123,97 +163,170 @@ def _prepare_tokenizer(config: TrainingConfig, corpus) -> PreTrainedTokenizerBas
     )
 
 
-def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int) -> torch.utils.data.DataLoader:
+def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accelerator: Accelerator):
+    """A DataLoader of this process's share of token-budget batches (see `TokenBatchSampler`)."""
     source_lengths, target_lengths = lengths_of(split)
-    sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens, shuffle=shuffle, seed=seed)
-    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
-    return torch.utils.data.DataLoader(
-        split.select_columns(["input_ids", "labels"]), batch_sampler=sampler, collate_fn=collator
+    sampler = TokenBatchSampler(
+        source_lengths,
+        target_lengths,
+        max_tokens,
+        shuffle=shuffle,
+        seed=seed,
+        num_shards=accelerator.num_processes,
+        shard_index=accelerator.process_index,
     )
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
+    # A generator of its own: every new iterator draws a seed from it, which would otherwise shift
+    # the global random numbers that dropout uses, and a resumed run would drop out other units.
+    return torch.utils.data.DataLoader(
+        split.select_columns(["input_ids", "labels"]),
+        batch_sampler=sampler,
+        collate_fn=collator,
+        generator=torch.Generator(),
+    )
+
+
+def _micro_batches(loader: torch.utils.data.DataLoader, epoch: int, done: int):
+    """Endless (epoch, batches done in the epoch, batch) from position (`epoch`, `done`) on."""
+    while True:
+        loader.batch_sampler.set_epoch(epoch, skip=done)
+        for batch in loader:
+            done += 1
+            yield epoch, done, batch
+        epoch, done = epoch + 1, 0
 
 
 @torch.no_grad()
 def validation_loss(model, batches, accelerator: Accelerator) -> float:
-    """Label-smoothed loss per target token over all validation batches (nats), with dropout off."""
-    model.eval()
-    total, tokens = torch.zeros((), dtype=torch.float64), 0
-    for batch in batches:
-        target_tokens = int(batch["labels"].ne(-100).sum())
-        loss = model(**batch).loss
-        total += loss.double().cpu() * target_tokens
-        tokens += target_tokens
-    model.train()
-    return float(total) / max(tokens, 1)
+    """Label-smoothed loss per target token over the validation batches of every process (nats), dropout off.
 
-
-def _save_checkpoint(model, checkpoints_dir: Path, step: int, keep: int) -> None:
-    """Write the weights of `step` atomically (a temporary file renamed into place) and keep the last `keep`."""
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    # The tied matrices share storage; safetensors stores each tensor once, so keep one name.
-    state.pop("lm_head.weight", None)
-    state = {k: v for k, v in state.items() if not k.endswith("embeddings.embed_tokens.weight")}
-    temporary = checkpoints_dir / f".step-{step}.safetensors.tmp"
-    save_file(state, temporary)
-    os.replace(temporary, checkpoints_dir / f"step-{step}.safetensors")
-    for old in sorted(checkpoints_dir.glob("step-*.safetensors"), key=_checkpoint_step)[:-keep]:
-        old.unlink()
-
-
-def _load_weights(model: VaswaniForConditionalGeneration, state: dict[str, torch.Tensor]) -> None:
-    """Load weights saved by `_save_checkpoint`, in which the tied copies of the embedding are left out."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    untied = [
-        name for name in missing if name != "lm_head.weight" and not name.endswith("embeddings.embed_tokens.weight")
-    ]
-    if untied or unexpected:
-        raise ValueError(f"Checkpoint does not match the model: missing {untied}, unexpected {unexpected}.")
-
-
-def _checkpoint_step(path: Path) -> int:
-    return int(path.name[len("step-") : -len(".safetensors")])
-
-
-def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """The element-wise mean of the weights in `paths` (§6.1, checkpoint averaging), in float32.
-
-    Raises:
-        ValueError: `paths` is empty or the files do not hold the same tensors.
+    Args:
+        model: the unwrapped model (no data-parallel wrapper, whose forward would synchronise).
+        batches: this process's validation batches (`labels` -100 on padding).
+        accelerator: for the device and the sum over processes.
     """
-    if not paths:
-        raise ValueError("No checkpoints to average.")
-    average = {k: v.double() for k, v in load_file(paths[0]).items()}
-    for path in paths[1:]:
-        state = load_file(path)
-        if state.keys() != average.keys():
-            raise ValueError(f"{path} does not hold the same tensors as {paths[0]}; cannot average them.")
-        for name, tensor in state.items():
-            average[name] += tensor.double()
-    return {name: (total / len(paths)).float() for name, total in average.items()}
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # summed loss, target tokens
+    for batch in batches:
+        batch = batch.to(accelerator.device)
+        tokens = batch["labels"].ne(-100).sum()
+        total += torch.stack([model(**batch, num_items_in_batch=1).loss.double(), tokens.double()])
+    model.train()
+    total = accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def validation_bleu(model, tokenizer, sources: list[str], references: list[str]) -> float:
+    """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding)."""
+    from .evaluation import corpus_bleu, translate
+
+    model.eval()
+    hypotheses = translate(model, tokenizer, sources, 64)
+    model.train()
+    return round(corpus_bleu(hypotheses, references)["score"], 2)
+
+
+def _check_output_dir(output_dir: Path, resume: bool) -> None:
+    existing = ckpt.list_checkpoints(output_dir / "checkpoints")
+    if existing and not resume:
+        raise ValueError(
+            f"{output_dir} already holds the checkpoints of a run (latest: {existing[-1].name}). Pass --resume to "
+            "continue it, or choose another --output-dir: a new run would overwrite them."
+        )
+
+
+def _save_checkpoint(accelerator, model, optimizer, scheduler, checkpoints_dir: Path, state: dict, keep: int) -> Path:
+    """Every process writes its RNG state, the main process the rest; the checkpoint appears atomically."""
+    directory = checkpoints_dir / f".incomplete-step-{state['step']}"
+    if accelerator.is_main_process:
+        ckpt.incomplete_dir(checkpoints_dir, state["step"])
+    accelerator.wait_for_everyone()
+    ckpt.write_rng_state(directory, accelerator.process_index)
+    accelerator.wait_for_everyone()
+    published = checkpoints_dir / f"step-{state['step']}"
+    if accelerator.is_main_process:
+        optimizer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        if accelerator.scaler is not None:
+            optimizer_state["scaler"] = accelerator.scaler.state_dict()
+        ckpt.write_main_state(directory, accelerator.unwrap_model(model), optimizer_state, state)
+        best = (state["best_step"],) if state.get("best_step") else ()
+        published = ckpt.publish_checkpoint(directory, keep, protect=best)
+    accelerator.wait_for_everyone()
+    return published
+
+
+def _restore_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> None:
+    """Load weights, optimizer, scheduler, loss scaler and this process's RNG state from a verified checkpoint."""
+    ckpt.load_model_state(accelerator.unwrap_model(model), ckpt.load_weights(path))
+    saved = ckpt.load_optimizer_state(path)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    if accelerator.scaler is not None and "scaler" in saved:
+        accelerator.scaler.load_state_dict(saved["scaler"])
+    ckpt.restore_rng_state(path, accelerator.process_index)
+
+
+def _write_log(log_path: Path, records: list[dict]) -> None:
+    temporary = log_path.with_suffix(".tmp")
+    temporary.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(temporary, log_path)
+
+
+def _parameter_checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def train(config: TrainingConfig) -> Path:
     """Train a Transformer translator as §5 describes and save it to `config.output_dir`.
+
+    One optimizer step accumulates `update_freq` token-budget batches on every process; its loss
+    is the label-smoothed cross entropy summed over all of them and divided by their number of
+    target tokens, so that the update is that of one big batch whatever the split (§5.1, §5.4).
+    A checkpoint is written every `save_steps` steps (and `save_minutes`); with `resume`, a run
+    continues from its newest checkpoint and ends with the parameters an uninterrupted run would
+    have had (bitwise on CPU).
 
     Args:
         config: the run's settings.
 
     Returns:
         The output directory, holding `config.json`, `model.safetensors`, `generation_config.json`,
-        the tokenizer files and `training_log.jsonl` (one JSON line per validation).
+        the tokenizer files, `training_log.jsonl` (one JSON line per log or validation step),
+        `README.md` (model card), `learning_curve.png` and `checkpoints/` (the last
+        `keep_checkpoints` and the best one).
 
     Raises:
-        ValueError, FileNotFoundError: from loading the corpus, or invalid settings.
+        ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output
+            directory holds a run's checkpoints but `resume` is off.
+        checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
+        NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
+        MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
-    set_seed(config.seed)
+    launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(
+        cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
+        mixed_precision=config.mixed_precision,
+        log_with=config.report_to or None,
+        project_dir=str(Path(config.output_dir) / "runs"),
+    )
     output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints_dir = output_dir / "checkpoints"
+    _check_output_dir(output_dir, config.resume)
+    if accelerator.is_main_process:
+        ensure_writable(output_dir)
+        for leftover in ckpt.remove_leftovers(checkpoints_dir):
+            accelerator.print(f"Removed {leftover.name}, left behind by a run that was killed.")
+    resume_from, state = ckpt.latest_good_checkpoint(checkpoints_dir, accelerator.num_processes)
+    accelerator.wait_for_everyone()
+    set_seed(config.seed, device_specific=True)  # different dropout masks on every process
 
     corpus = load_parallel_corpus(
         config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
     )
-    tokenizer = _prepare_tokenizer(config, corpus)
+    tokenizer = _prepare_tokenizer(config, corpus, resuming=resume_from is not None)
+    if accelerator.is_main_process and resume_from is None:
+        tokenizer.save_pretrained(output_dir)  # resumed runs must tokenize exactly alike
+        (output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
     model_config = VaswaniConfig.from_preset(
         config.preset,
@@ -226,68 +339,194 @@ def train(config: TrainingConfig) -> Path:
     )
     model = VaswaniForConditionalGeneration(model_config)
 
-    train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed)
-    valid_batches = (
-        _batches(tokenized["validation"], tokenizer, config.max_tokens, False, config.seed)
-        if "validation" in tokenized
-        else None
-    )
+    train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
+    has_validation = "validation" in tokenized
+    if has_validation:
+        valid_batches = _batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
+        bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
+        bleu_sources, bleu_references = list(bleu_split[config.source_lang]), list(bleu_split[config.target_lang])
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, inverse_square_root_schedule(model_config.d_model, config.warmup_steps, config.learning_rate_scale)
     )
-    model, optimizer, train_batches, scheduler = accelerator.prepare(model, optimizer, train_batches, scheduler)
-    if valid_batches is not None:
-        valid_batches = accelerator.prepare(valid_batches)
+    # The batches are already sharded per process (TokenBatchSampler), so Accelerate does not prepare them.
+    # Not the scheduler: Accelerate's would step once per process, and the schedule counts optimizer steps.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
 
-    checkpoints_dir = output_dir / "checkpoints"
     log_path = output_dir / "training_log.jsonl"
-    log_path.unlink(missing_ok=True)
-    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes else math.inf
+    state = state or {
+        "step": 0, "epoch": 0, "batches_done": 0, "elapsed_seconds": 0.0, "skipped_nonfinite": 0,
+        "best_step": None, "best_score": None, "validations_without_improvement": 0,
+        "world_size": accelerator.num_processes, "interval": [0.0, 0.0],
+    }  # fmt: skip
+    if resume_from is not None:
+        _restore_checkpoint(accelerator, model, optimizer, scheduler, resume_from)
+        accelerator.print(f"Resuming from {resume_from} (step {state['step']}).")
+    records = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
+    records = [r for r in records if r["step"] <= state["step"]]  # what a killed run logged after its checkpoint
+    if accelerator.is_main_process:
+        _write_log(log_path, records)
+    if config.report_to:
+        accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
+
+    started = time.monotonic() - state["elapsed_seconds"]
+    last_save = time.monotonic()
     max_steps = config.max_steps or math.inf
-    progress = tqdm(total=config.max_steps, desc="Training", unit="step", disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=config.max_steps, initial=state["step"], desc="Training", unit="step",
+        disable=not accelerator.is_local_main_process,
+    )  # fmt: skip
+    stream = _micro_batches(train_batches, state["epoch"], state["batches_done"])
+    # Summed loss and target tokens since the last log record (a checkpoint carries them across a resume).
+    interval = torch.tensor(state["interval"], dtype=torch.float64, device=accelerator.device)
     model.train()
-    step, epoch, done = 0, 0, False
+    done = state["step"] >= max_steps
     while not done:
-        train_batches.set_epoch(epoch)
-        for batch in train_batches:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
+        micro_batches = [next(stream) for _ in range(config.update_freq)]
+        tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in micro_batches).to(accelerator.device)
+        # DDP averages gradients over processes: dividing by (all tokens / processes) gives sum / all tokens.
+        normaliser = accelerator.reduce(tokens.double(), reduction="sum") / accelerator.num_processes
+        step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        for index, (_, _, batch) in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
+            try:
+                with sync:
+                    loss = model(**batch.to(accelerator.device), num_items_in_batch=normaliser).loss
+                    accelerator.backward(loss)
+            except torch.OutOfMemoryError as error:
+                raise MemoryError(
+                    f"Out of memory on {accelerator.device} with a batch of {tuple(batch['input_ids'].shape)} tokens: "
+                    f"lower --max-tokens (now {config.max_tokens}) and raise --update-freq to keep the batch size."
+                ) from error
+            step_loss += loss.detach().double()
+        # The loss of the whole step, over every process: all processes agree on what follows.
+        step_loss = accelerator.reduce(step_loss, reduction="sum") / accelerator.num_processes
+        if not torch.isfinite(step_loss):
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", epoch=epoch)
-            done = step >= max_steps or time.monotonic() >= deadline
-            if step % config.eval_steps == 0 or done:
-                record = {"step": step, "epoch": epoch, "train_loss": loss.item()}
-                if valid_batches is not None:
-                    record["validation_loss"] = validation_loss(model, valid_batches, accelerator)
-                progress.write(json.dumps(record))
+            if not config.skip_nonfinite:
+                latest = ckpt.list_checkpoints(checkpoints_dir)
+                raise NonFiniteLossError(
+                    f"The loss is {float(step_loss)} at step {state['step'] + 1}; training stopped without applying "
+                    f"it. Last good checkpoint: {latest[-1] if latest else 'none'} (continue with --resume, perhaps "
+                    "with a lower --learning-rate-scale), or pass --skip-nonfinite to skip such batches."
+                )
+            state["skipped_nonfinite"] += 1
+            accelerator.print(f"Skipped a batch with loss {float(step_loss)} ({state['skipped_nonfinite']} so far).")
+            state["epoch"], state["batches_done"] = micro_batches[-1][:2]
+            continue
+        optimizer.step()
+        if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with overflowing gradients
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["epoch"], state["batches_done"] = micro_batches[-1][:2]
+        global_tokens = normaliser * accelerator.num_processes
+        interval += torch.stack([step_loss * global_tokens, global_tokens])
+        step = state["step"]
+        progress.update(1)
+        progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+
+        # Deadlines are read on the main process and shared, so that every process stops and saves alike.
+        clock = torch.tensor(
+            [time.monotonic() - started >= 60 * (config.max_minutes or math.inf),
+             time.monotonic() - last_save >= 60 * (config.save_minutes or math.inf)],
+            device=accelerator.device,
+        ).float()  # fmt: skip
+        out_of_time, save_due = (bool(flag) for flag in _broadcast(accelerator, clock))
+        done = step >= max_steps or out_of_time
+        record = {}
+        if step % config.log_steps == 0 or step % config.eval_steps == 0 or done:
+            record = {"step": step, "epoch": state["epoch"], "train_loss": float(interval[0] / interval[1])}
+            record["learning_rate"] = scheduler.get_last_lr()[0]
+            interval.zero_()
+        if has_validation and (step % config.eval_steps == 0 or done):
+            record["validation_loss"] = validation_loss(unwrapped, valid_batches, accelerator)
+            score = record["validation_loss"]
+            if config.bleu_sentences:
+                bleu = 0.0
                 if accelerator.is_main_process:
-                    with log_path.open("a") as log:
-                        log.write(json.dumps(record) + "\n")
-            if accelerator.is_main_process and (step % config.save_steps == 0 or done):
-                _save_checkpoint(accelerator.unwrap_model(model), checkpoints_dir, step, config.average_last)
-            if done:
-                break
-        epoch += 1
+                    bleu = validation_bleu(unwrapped, tokenizer, bleu_sources, bleu_references)
+                record["validation_bleu"] = bleu = float(_broadcast(accelerator, torch.tensor([bleu]))[0])
+                score = -bleu
+            if state["best_score"] is None or score < state["best_score"]:
+                state.update(best_score=score, best_step=step, validations_without_improvement=0)
+            else:
+                state["validations_without_improvement"] += 1
+            patience = config.early_stopping_patience
+            if patience is not None and state["validations_without_improvement"] >= patience:
+                accelerator.print(f"Early stopping at step {step}: no improvement in {patience} validations.")
+                done = True
+        if record:
+            record["skipped_nonfinite"] = state["skipped_nonfinite"]
+            if done and accelerator.num_processes > 1:
+                # Data parallelism keeps replicas identical; a differing sum would reveal a desynchronised process.
+                sums = accelerator.gather(torch.tensor([_parameter_checksum(unwrapped)], device=accelerator.device))
+                record["replica_checksums"] = sums.tolist()
+            records.append(record)
+            progress.write(json.dumps(record))
+            if accelerator.is_main_process:
+                with log_path.open("a") as log:
+                    log.write(json.dumps(record) + "\n")
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)
+        if step % config.save_steps == 0 or save_due or done:
+            state.update(elapsed_seconds=time.monotonic() - started, interval=interval.tolist())
+            _save_checkpoint(accelerator, model, optimizer, scheduler, checkpoints_dir, state, config.keep_checkpoints)
+            last_save = time.monotonic()
     progress.close()
 
-    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
-        checkpoints = sorted(checkpoints_dir.glob("step-*.safetensors"), key=_checkpoint_step)[-config.average_last :]
-        _load_weights(final, average_checkpoints(checkpoints))
+        last = ckpt.list_checkpoints(checkpoints_dir)[-config.average_last :]
+        ckpt.load_model_state(final, ckpt.average_checkpoints(last))
         save_translator(final, tokenizer, output_dir)
-        (output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
         write_model_card(output_dir)
         try:
             plot_learning_curve(log_path, output_dir / "learning_curve.png")
-        except ImportError as error:  # matplotlib is optional
+        except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
             accelerator.print(f"No learning_curve.png: {error}")
-        shutil.rmtree(checkpoints_dir)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers and the process group
     return output_dir
+
+
+def _broadcast(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    # The main process's `tensor` on every process.
+    return broadcast(tensor.to(accelerator.device)) if accelerator.num_processes > 1 else tensor
+
+
+def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Path | None = None) -> Path:
+    """`vaswani-transformer average`: a loadable model whose weights are the mean of a run's last checkpoints (§6.1).
+
+    "For the base models, we used a single model obtained by averaging the last 5 checkpoints [...]
+    For the big models, we averaged the last 20 checkpoints."
+
+    Args:
+        run_dir: the output directory of a training run (its config, tokenizer and `checkpoints/`).
+        last: how many of the newest checkpoints to average.
+        output_dir: where to write the model; default: `run_dir`, replacing its model.
+
+    Returns:
+        The directory written, loadable with `from_pretrained`.
+
+    Raises:
+        ValueError: `last` is not positive, or the run has fewer than `last` checkpoints (says how many).
+        checkpoints.CheckpointError: one of them is damaged.
+    """
+    run_dir = Path(run_dir)
+    available = ckpt.list_checkpoints(run_dir / "checkpoints")
+    if last <= 0 or last > len(available):
+        raise ValueError(
+            f"Cannot average the last {last} checkpoints: {run_dir / 'checkpoints'} holds {len(available)}."
+        )
+    chosen = available[-last:]
+    world_size = json.loads((chosen[-1] / ckpt.STATE_NAME).read_text()).get("world_size", 1)
+    for path in chosen:
+        ckpt.verify_checkpoint(path, world_size)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
+    ckpt.load_model_state(model, ckpt.average_checkpoints(chosen))
+    return save_translator(model, tokenizer, output_dir or run_dir)

@@ -1,0 +1,190 @@
+"""Checkpoints: atomic, complete, safe to load, and a killed run resumes to the very same parameters."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vaswani_transformer.modeling_vaswani as modeling
+from vaswani_transformer import checkpoints as ckpt
+from vaswani_transformer.cli import main
+from vaswani_transformer.training import NonFiniteLossError, TrainingConfig, train
+
+TINY = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
+
+
+@pytest.fixture(scope="module")
+def mini_corpus(multi30k_dir, tmp_path_factory) -> Path:
+    """The first 400 training and 100 validation pairs of Multi30k."""
+    corpus = tmp_path_factory.mktemp("mini")
+    for split, count in (("train", 400), ("val", 100)):
+        for lang in ("en", "de"):
+            lines = (multi30k_dir / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:count]
+            (corpus / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return corpus
+
+
+def tiny_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
+    settings = dict(
+        data=str(corpus), source_lang="en", target_lang="de", output_dir=str(output_dir), model_overrides=TINY,
+        vocab_size=300, max_tokens=256, warmup_steps=4, max_steps=12, log_steps=1, eval_steps=6, save_steps=3,
+        average_last=2,
+    )  # fmt: skip
+    return TrainingConfig(**{**settings, **overrides})
+
+
+def cli_arguments(config: TrainingConfig) -> list[str]:
+    arguments = ["train", "--data-dir", config.data, "--source-lang", "en", "--target-lang", "de"]
+    arguments += ["--output-dir", config.output_dir, "--preset", config.preset, "--vocab-size", str(config.vocab_size)]
+    for key, value in config.model_overrides.items():
+        arguments += ["--model-option", f"{key}={value}"]
+    for option in ("max_tokens", "warmup_steps", "max_steps", "log_steps", "eval_steps", "save_steps", "average_last"):
+        arguments += [f"--{option.replace('_', '-')}", str(getattr(config, option))]
+    return arguments
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "model.safetensors")
+
+
+def assert_bitwise_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    different = [name for name in left if not torch.equal(left[name], right[name])]
+    assert not different, f"parameters differ: {different}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mini_corpus, tmp_path_factory) -> Path:
+    return train(tiny_run(mini_corpus, tmp_path_factory.mktemp("uninterrupted")))
+
+
+def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterrupted):
+    saved = ckpt.list_checkpoints(uninterrupted / "checkpoints")
+    # The last `average_last` and the best by validation loss (step 12 is also the last).
+    assert [ckpt.checkpoint_step(p) for p in saved] == [9, 12]
+    state = ckpt.verify_checkpoint(saved[-1], world_size=1)
+    assert state["step"] == 12 and state["epoch"] >= 0 and state["batches_done"] > 0
+    assert set(state["files"]) == {"model.safetensors", "optimizer.pt", "rng-0.safetensors"}
+    optimizer = ckpt.load_optimizer_state(saved[-1])
+    assert optimizer["scheduler"]["last_epoch"] == 12 and len(optimizer["optimizer"]["state"]) > 0
+    assert not list((uninterrupted / "checkpoints").glob(".*")), "no leftovers of the atomic writes"
+
+
+def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mini_corpus, uninterrupted, tmp_path):
+    config = tiny_run(mini_corpus, tmp_path / "killed")
+    kill_after = random.randint(1, 3) * config.save_steps  # a checkpoint exists, later steps are lost
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vaswani_transformer.cli", *cli_arguments(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / f"step-{kill_after}").exists() and process.poll() is None:
+        assert time.monotonic() < deadline, "the training run did not reach its checkpoint"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before it was killed (after step {kill_after})"
+    assert not (tmp_path / "killed" / "model.safetensors").exists()
+
+    resumed = train(tiny_run(mini_corpus, tmp_path / "killed", resume=True))
+    assert_bitwise_equal(weights(resumed), weights(uninterrupted))
+    last = ckpt.list_checkpoints(checkpoints)[-1]
+    assert_bitwise_equal(ckpt.load_weights(last), ckpt.load_weights(uninterrupted / "checkpoints" / "step-12"))
+    log = [json.loads(line) for line in (resumed / "training_log.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (uninterrupted / "training_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13)), "a resumed run logs every step exactly once"
+    assert [r["train_loss"] for r in log] == [r["train_loss"] for r in reference]
+
+
+def test_a_new_run_refuses_to_overwrite_the_checkpoints_of_another(uninterrupted, mini_corpus, capsys):
+    status = main(cli_arguments(tiny_run(mini_corpus, uninterrupted)))
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "already holds the checkpoints" in error and "--resume" in error and "step-12" in error
+
+
+def test_a_damaged_checkpoint_is_detected_before_training_and_the_last_good_one_named(
+    mini_corpus, uninterrupted, tmp_path, capsys
+):
+    run = tmp_path / "damaged"
+    os.system(f"cp -r {uninterrupted} {run}")
+    latest = run / "checkpoints" / "step-12" / "model.safetensors"
+    data = bytearray(latest.read_bytes())
+    data[-10] ^= 0xFF  # one flipped byte in the weights
+    latest.write_bytes(bytes(data))
+    status = main([*cli_arguments(tiny_run(mini_corpus, run, max_steps=15)), "--resume"])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "step-12 is damaged" in error and "model.safetensors" in error
+    assert f"The last good checkpoint is {run / 'checkpoints' / 'step-9'}" in error
+
+    (run / "checkpoints" / "step-9" / "rng-0.safetensors").unlink()  # now no intact checkpoint is left
+    assert main([*cli_arguments(tiny_run(mini_corpus, run, max_steps=15)), "--resume"]) == 2
+    assert "No older checkpoint is intact" in capsys.readouterr().err
+
+
+class Exploit:
+    """Unpickling this runs `touch MARKER`: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_where_a_checkpoint_is_expected_is_refused_not_executed(uninterrupted, tmp_path):
+    checkpoint = tmp_path / "step-12"
+    os.system(f"cp -r {uninterrupted / 'checkpoints' / 'step-12'} {checkpoint}")
+    marker = tmp_path / "exploited"
+    torch.save({"optimizer": Exploit(marker)}, checkpoint / "optimizer.pt")
+    with pytest.raises(ckpt.CheckpointError, match="not a safe optimizer state"):
+        ckpt.load_optimizer_state(checkpoint)
+    (checkpoint / "model.safetensors").write_bytes((checkpoint / "optimizer.pt").read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match="not a valid safetensors file"):
+        ckpt.load_weights(checkpoint)
+    assert not marker.exists(), "the pickled code ran"
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(mini_corpus, tmp_path, monkeypatch):
+    real_loss, calls = modeling.label_smoothed_cross_entropy, []
+
+    def loss_turning_nan_at_step_8(logits, labels, epsilon, num_items_in_batch=None):
+        calls.append(1)
+        loss = real_loss(logits, labels, epsilon, num_items_in_batch)
+        return loss * float("nan") if len(calls) == 8 else loss
+
+    monkeypatch.setattr(modeling, "label_smoothed_cross_entropy", loss_turning_nan_at_step_8)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 8.*Last good checkpoint: .*step-6"):
+        train(tiny_run(mini_corpus, tmp_path / "stopped", eval_steps=100))
+    kept = ckpt.list_checkpoints(tmp_path / "stopped" / "checkpoints")
+    assert [ckpt.checkpoint_step(p) for p in kept] == [3, 6]
+    assert torch.isfinite(torch.cat([t.flatten() for t in ckpt.load_weights(kept[-1]).values()])).all()
+
+    calls.clear()
+    output = train(tiny_run(mini_corpus, tmp_path / "skipped", eval_steps=100, skip_nonfinite=True))
+    log = [json.loads(line) for line in (output / "training_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 12 and log[-1]["skipped_nonfinite"] == 1
+    assert torch.isfinite(torch.cat([t.flatten() for t in weights(output).values()])).all()
+
+
+def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupted, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    assert main(["average", str(uninterrupted), "--last", "2", "--output-dir", str(tmp_path / "averaged")]) == 0
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "averaged")
+    nine, twelve = (ckpt.load_weights(uninterrupted / "checkpoints" / f"step-{s}") for s in (9, 12))
+    name = "model.encoder.layers.0.feed_forward.w_1.weight"
+    if name not in nine:
+        name = next(n for n in nine if n.endswith("weight") and nine[n].dim() == 2 and "shared" not in n)
+    torch.testing.assert_close(model.state_dict()[name], (nine[name] + twelve[name]) / 2)
+    assert main(["average", str(uninterrupted), "--last", "9"]) == 2

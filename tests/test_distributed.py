@@ -1,0 +1,50 @@
+"""Data parallelism: two processes (gloo on CPU) under `accelerate launch` train like one with the same global batch."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from test_checkpoints import cli_arguments, mini_corpus, tiny_run  # noqa: F401  (mini_corpus is a fixture)
+
+from vaswani_transformer.training import train
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_log(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "training_log.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):  # noqa: F811
+    # No dropout, so that the processes' random draws do not matter; one process accumulating two
+    # batches per step sees exactly the batches that two processes see together.
+    settings = dict(model_overrides={**tiny_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=8)
+    single = train(tiny_run(mini_corpus, tmp_path / "single", update_freq=2, **settings))
+
+    parallel = tiny_run(mini_corpus, tmp_path / "parallel", **settings)
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", "-m", "vaswani_transformer.cli",
+    ]  # fmt: skip
+    result = subprocess.run([*launch, *cli_arguments(parallel)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    single_log, parallel_log = read_log(single), read_log(tmp_path / "parallel")
+    assert [r["step"] for r in parallel_log] == list(range(1, 9))
+    for ours, theirs in zip(parallel_log, single_log, strict=True):
+        assert abs(ours["train_loss"] - theirs["train_loss"]) < 1e-4, (ours, theirs)
+    checksums = parallel_log[-1]["replica_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1], "the two processes' parameters differ"
+    for name, tensor in load_file(single / "model.safetensors").items():
+        torch.testing.assert_close(
+            load_file(tmp_path / "parallel" / "model.safetensors")[name], tensor, atol=1e-4, rtol=0
+        )

@@ -1,0 +1,327 @@
+"""Bad input fails clearly: each error case of issue 7 and the message it gives (library and command line).
+
+The command line's contract: an expected error is one line on stderr, `vaswani-transformer
+COMMAND: error: ...`, and exit status 2, never a traceback.
+"""
+
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import tiny_model
+from transformers import AutoConfig, AutoTokenizer
+
+from vaswani_transformer import VaswaniConfig
+from vaswani_transformer.cli import main
+from vaswani_transformer.data import iter_lines, load_parallel_corpus
+from vaswani_transformer.evaluation import corpus_bleu, load_translator, translate, translate_stream
+from vaswani_transformer.hub import ensure_writable, save_translator
+from vaswani_transformer.modeling_vaswani import paper_generation_config
+
+LIMIT = 12  # model_max_length of the saved translator's tokenizer, in tokens
+LONG = "A man in a blue shirt is standing on a ladder cleaning the windows of a tall building."
+
+
+@pytest.fixture(scope="module")
+def translator_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random tiny model saved with the session tokenizer, limited to 12 source tokens and 6 output tokens."""
+    model = tiny_model(tokenizer, seed=3)
+    model.generation_config = paper_generation_config(model.config)
+    model.generation_config.max_new_tokens = 6  # random weights rarely stop: keep decoding short
+    path = save_translator(model, tokenizer, tmp_path_factory.mktemp("translator"))
+    AutoTokenizer.from_pretrained(path, model_max_length=LIMIT).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def translator(translator_dir):
+    return load_translator(str(translator_dir), "cpu")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main([str(arg) for arg in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(status: int, err: str, *fragments: str) -> None:
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+# Corpus files -------------------------------------------------------------------------------------
+
+
+def test_parallel_files_with_different_line_counts_name_both_files_and_counts(tmp_path, capsys):
+    source, target = tmp_path / "train.en", tmp_path / "train.de"
+    source.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    target.write_text("eins\nzwei\n", encoding="utf-8")
+    status, _, err = run_cli(
+        capsys, "train", "--train-files", source, target, "--source-lang", "en", "--target-lang", "de",
+        "--output-dir", tmp_path / "out", "--max-steps", "1",
+    )  # fmt: skip
+    assert_one_line_error(status, err, f"{source} has 3 lines", f"{target} has 2")
+
+
+def test_empty_and_missing_corpus_files_are_named(tmp_path):
+    source, target = tmp_path / "a.en", tmp_path / "a.de"
+    source.write_text("A dog.\n", encoding="utf-8")
+    target.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"{target} is empty; it needs one sentence per line"):
+        load_parallel_corpus("", "en", "de", files={"train": (source, target)})
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'b.de'} does not exist; check the path"):
+        load_parallel_corpus("", "en", "de", files={"train": (source, tmp_path / "b.de")})
+
+
+def test_undecodable_bytes_in_a_corpus_name_the_file_and_the_line(tmp_path):
+    source, target = tmp_path / "a.en", tmp_path / "a.de"
+    source.write_text("A dog.\nA cat.\nA bird.\n", encoding="utf-8")
+    target.write_bytes(b"Ein Hund.\nEine Katze.\n" + "Ein Vögel.\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{target}, line 3: not valid UTF-8 .*convert the file to UTF-8"):
+        load_parallel_corpus("", "en", "de", files={"train": (source, target)})
+
+
+def test_undecodable_bytes_on_stdin_name_the_line():
+    stream = io.BytesIO(b"fine\n\xff\xfe bad\n")
+    lines = iter_lines(stream, "<stdin>")
+    assert next(lines) == "fine"
+    with pytest.raises(ValueError, match=r"^<stdin>, line 2: not valid UTF-8 \(invalid start byte, byte 1 of"):
+        next(lines)
+
+
+def test_evaluate_names_an_empty_a_missing_and_an_undecodable_file(tmp_path, capsys):
+    empty, bad = tmp_path / "empty.en", tmp_path / "bad.de"
+    empty.write_bytes(b"")
+    bad.write_bytes(b"ok\n\xe9t\xe9\n")
+    model = tmp_path / "no-model"  # every check below comes before the model is loaded
+    status, _, err = run_cli(capsys, "evaluate", "--model", model, "--source", empty, "--reference", empty)
+    assert_one_line_error(status, err, f"{empty} is empty")
+    status, _, err = run_cli(capsys, "evaluate", "--model", model, "--source", tmp_path / "x", "--reference", empty)
+    assert_one_line_error(status, err, f"{tmp_path / 'x'} does not exist")
+    status, _, err = run_cli(capsys, "evaluate", "--model", model, "--source", bad, "--reference", bad)
+    assert_one_line_error(status, err, f"{bad}, line 2: not valid UTF-8")
+    with pytest.raises(ValueError, match="No sentences to score"):
+        corpus_bleu([], [])
+
+
+def test_translate_names_a_missing_input_before_loading_the_model(tmp_path, capsys):
+    status, _, err = run_cli(capsys, "translate", "--model", tmp_path / "no-model", "--input", tmp_path / "in.en")
+    assert_one_line_error(status, err, f"{tmp_path / 'in.en'} does not exist")
+
+
+def test_translate_names_the_undecodable_line_of_its_input(translator_dir, tmp_path, capsys):
+    source = tmp_path / "in.en"
+    source.write_bytes(b"A dog.\nA caf\xe9.\n")
+    status, out, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "1")
+    assert_one_line_error(status, err, f"{source}, line 2: not valid UTF-8")
+    assert len(out.splitlines()) == 1, "the line before the bad one was translated and printed"
+
+
+# Empty strings and empty batches ------------------------------------------------------------------
+
+
+def test_empty_strings_and_empty_batches_translate_to_empty_output(translator):
+    model, tokenizer = translator
+    assert translate(model, tokenizer, []) == []
+    assert list(translate_stream(model, tokenizer, [])) == []
+    translations = translate(model, tokenizer, ["", "A dog.", "   ", ""], batch_size=2, num_beams=1)
+    assert len(translations) == 4 and translations[0] == translations[2] == translations[3] == ""
+    streamed = list(translate_stream(model, tokenizer, ["\n", "A dog.\n", ""], batch_size=2, num_beams=1))
+    assert streamed[0] == streamed[2] == "" and streamed[1] == translations[1]
+
+
+def test_translate_command_keeps_empty_lines_and_accepts_an_empty_file(translator_dir, tmp_path, capsys):
+    source = tmp_path / "in.en"
+    source.write_text("\nA dog.\n\n", encoding="utf-8")
+    status, out, _ = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--num-beams", "1")
+    assert status == 0 and len(out.splitlines()) == 3
+    assert out.splitlines()[0] == out.splitlines()[2] == ""
+    source.write_bytes(b"")
+    status, out, _ = run_cli(capsys, "translate", "--model", translator_dir, "--input", source)
+    assert status == 0 and out == ""
+
+
+def test_a_batch_size_below_one_is_refused(translator, translator_dir, tmp_path, capsys):
+    model, tokenizer = translator
+    with pytest.raises(ValueError, match="batch_size must be at least 1 sentence, got 0"):
+        translate(model, tokenizer, ["A dog."], batch_size=0)
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "0")
+    assert_one_line_error(status, err, "batch_size must be at least 1")
+
+
+# Inputs longer than the model's limit -------------------------------------------------------------
+
+
+def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplog):
+    model, tokenizer = translator
+    assert len(tokenizer(LONG)["input_ids"]) > LIMIT
+    sentences = ["A dog.", LONG, LONG + " Again."]
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.evaluation"):
+        translations = translate(model, tokenizer, sentences, num_beams=1)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.evaluation"]
+    assert len(translations) == 3 and len(warnings) == 1, warnings
+    assert f"Sentence 2 has {len(tokenizer(LONG)['input_ids'])} tokens" in warnings[0]
+    assert f"truncated to {LIMIT} tokens" in warnings[0] and "--long-inputs error" in warnings[0]
+    # The model was given the first LIMIT - 1 tokens and </s>.
+    truncated = tokenizer(LONG, truncation=True, return_tensors="pt")
+    assert truncated["input_ids"].shape[1] == LIMIT and truncated["input_ids"][0, -1] == tokenizer.eos_token_id
+    output_ids = model.generate(**truncated, num_beams=1)
+    assert tokenizer.decode(output_ids[0], skip_special_tokens=True).strip() == translations[1]
+    with pytest.raises(ValueError, match=rf"^Sentence 2 has \d+ tokens, more than the model's limit of {LIMIT} "):
+        translate(model, tokenizer, sentences, long_inputs="error")
+    with pytest.raises(ValueError, match="long_inputs must be one of truncate, error, got 'skip'"):
+        translate(model, tokenizer, sentences, long_inputs="skip")
+
+
+def test_a_stream_warns_once_and_numbers_lines_from_its_start(translator, caplog):
+    model, tokenizer = translator
+    lines = ["A dog.", LONG, "A cat.", LONG]
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.evaluation"):
+        assert len(list(translate_stream(model, tokenizer, lines, batch_size=1, num_beams=1))) == 4
+    assert len([r for r in caplog.records if r.name == "vaswani_transformer.evaluation"]) == 1
+    stream = translate_stream(model, tokenizer, lines, batch_size=2, long_inputs="error", num_beams=1)
+    with pytest.raises(ValueError, match="^Sentence 2 has"):
+        next(stream)
+    stream = translate_stream(model, tokenizer, lines[2:], batch_size=1, long_inputs="error", num_beams=1)
+    assert next(stream) is not None
+    with pytest.raises(ValueError, match="^Sentence 2 has"):
+        next(stream)
+
+
+def test_learned_positions_limit_the_source_length_too(tokenizer):
+    # Table 3 row E has no position vector beyond max_position_embeddings: without truncation the
+    # model would raise on a longer source.
+    model = tiny_model(tokenizer, position_embedding_type="learned", max_position_embeddings=16)
+    assert tokenizer.model_max_length > 16 and len(tokenizer(LONG + " " + LONG)["input_ids"]) > 16
+    assert len(translate(model, tokenizer, [LONG + " " + LONG], num_beams=1, max_new_tokens=4)) == 1
+    with pytest.raises(ValueError, match="more than the model's limit of 16"):
+        translate(model, tokenizer, [LONG + " " + LONG], long_inputs="error")
+
+
+def test_long_inputs_option_of_the_command_line(translator_dir, tmp_path, capsys, caplog):
+    source, reference = tmp_path / "in.en", tmp_path / "ref.de"
+    source.write_text(f"A dog.\n{LONG}\n", encoding="utf-8")
+    reference.write_text("Ein Hund.\nEin Mann.\n", encoding="utf-8")
+    status, _, err = run_cli(
+        capsys, "evaluate", "--model", translator_dir, "--source", source, "--reference", reference,
+        "--long-inputs", "error", "--no-model-card",
+    )  # fmt: skip
+    assert_one_line_error(status, err, "Sentence 2 has", f"limit of {LIMIT}")
+    status, out, _ = run_cli(
+        capsys, "translate", "--model", translator_dir, "--input", source, "--num-beams", "1",
+    )  # fmt: skip
+    assert status == 0 and len(out.splitlines()) == 2
+    assert len([r for r in caplog.records if "truncated to" in r.getMessage()]) == 1
+
+
+# A tokenizer that does not fit the model ----------------------------------------------------------
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load_time(tokenizer, tmp_path, capsys):
+    save_translator(tiny_model(tokenizer, vocab_size=500), tokenizer, tmp_path)
+    with pytest.raises(ValueError, match=r"has 2000 tokens but the model has embeddings for config.vocab_size=500"):
+        load_translator(str(tmp_path), "cpu")
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    status, _, err = run_cli(capsys, "translate", "--model", tmp_path, "--input", source)
+    assert_one_line_error(status, err, "2000 tokens", "resize_token_embeddings")
+
+
+def test_special_token_ids_that_disagree_with_the_config_are_refused(tokenizer, tmp_path):
+    save_translator(tiny_model(tokenizer, eos_token_id=3), tokenizer, tmp_path)
+    with pytest.raises(ValueError, match=r"eos_token_id=2 but the model's config has eos_token_id=3: use the tokeni"):
+        load_translator(str(tmp_path), "cpu")
+
+
+# Impossible configurations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"d_model": 100, "num_attention_heads": 8}, r"d_model \(100\) must be divisible by num_attention_heads \(8\)"),
+        ({"dropout": 1.0}, r"dropout must be a probability in \[0, 1\), got 1.0"),
+        ({"dropout": -0.1}, r"dropout must be a probability in \[0, 1\), got -0.1"),
+        ({"attention_dropout": 1.5}, r"attention_dropout must be a probability"),
+        ({"activation_dropout": "0.1"}, r"activation_dropout must be a probability"),
+        ({"label_smoothing": 1}, r"label_smoothing must be a probability"),
+        ({"d_model": 0}, r"d_model must be a positive integer, got 0"),
+        ({"d_ff": -4}, r"d_ff must be a positive integer, got -4"),
+        ({"vocab_size": 0}, r"vocab_size must be a positive integer"),
+        ({"num_attention_heads": 0}, r"num_attention_heads must be a positive integer"),
+        ({"decoder_layers": 2.5}, r"decoder_layers must be a positive integer, got 2.5"),
+        ({"encoder_layers": True}, r"encoder_layers must be a positive integer, got True"),
+        ({"d_v": -1}, r"d_v must be a positive integer"),
+        ({"eos_token_id": -1}, r"eos_token_id must be a token id in \[0, vocab_size=\d+\), got -1"),
+    ],
+)
+def test_impossible_config_values_name_the_field(values, message, tmp_path):
+    with pytest.raises(ValueError, match=rf"^VaswaniConfig\.{message}"):
+        VaswaniConfig(**values)
+    # The same check guards loading: a config.json edited by hand or downloaded.
+    saved = VaswaniConfig(d_model=32, d_ff=64, num_attention_heads=4, vocab_size=100).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**saved, **values}))
+    with pytest.raises(ValueError, match=rf"VaswaniConfig\.{message}"):
+        VaswaniConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"VaswaniConfig\.{message}"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_a_saved_model_with_an_impossible_config_fails_in_one_line(translator_dir, tmp_path, capsys):
+    model_dir = shutil.copytree(translator_dir, tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "dropout": 1.2}))
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    status, _, err = run_cli(capsys, "translate", "--model", model_dir, "--input", source)
+    assert_one_line_error(status, err, "VaswaniConfig.dropout must be a probability in [0, 1), got 1.2")
+
+
+# Output paths that cannot be written --------------------------------------------------------------
+
+
+def test_an_output_directory_under_a_file_is_refused_before_any_work(multi30k_dir, tmp_path, capsys):
+    # Tests run as root, for whom permissions never block writing: a path through a regular file
+    # cannot be created by anyone.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    status, out, err = run_cli(
+        capsys, "train", "--data-dir", multi30k_dir, "--source-lang", "en", "--target-lang", "de",
+        "--output-dir", blocker / "run", "--max-steps", "1",
+    )  # fmt: skip
+    assert_one_line_error(status, err, f"Cannot write to {blocker / 'run'}: Not a directory", "choose another path")
+    assert "Tokenizing" not in err, "the corpus should not have been read"
+    with pytest.raises(OSError, match=f"Cannot write to {blocker}: Not a directory"):
+        ensure_writable(blocker)
+
+
+def test_evaluate_refuses_an_output_it_cannot_write_before_loading_the_model(tmp_path, capsys):
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    model = tmp_path / "no-model"
+    for output, reason in ((blocker / "hyp.de", "Not a directory"), (tmp_path, "Is a directory")):
+        status, _, err = run_cli(
+            capsys, "evaluate", "--model", model, "--source", source, "--reference", source, "--output", output
+        )
+        assert_one_line_error(status, err, f"Cannot write to {output}", reason)
+    status, _, err = run_cli(capsys, "translate", "--model", model, "--attention-dir", blocker / "maps")
+    assert_one_line_error(status, err, f"Cannot write to {blocker / 'maps'}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_a_read_only_output_directory_is_refused(tmp_path):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    with pytest.raises(OSError, match=f"Cannot write to {read_only}: Permission denied"):
+        ensure_writable(read_only)

@@ -1,0 +1,290 @@
+"""Training checkpoints that survive a crash at any moment and load without running pickled code.
+
+A checkpoint is a directory `checkpoints/step-<N>/` holding everything needed to continue a run
+exactly: the weights (`model.safetensors`), the optimizer, scheduler and loss-scaler states
+(`optimizer.pt`, plain tensors and numbers only, read with `torch.load(weights_only=True)`), every
+process's random number generator state (`rng-<rank>.safetensors`), and `trainer_state.json`
+(step, position in the data, log, best score) with the SHA-256 of every other file.
+
+Writes are atomic: the files go into a hidden `.incomplete-*` directory that is renamed to
+`step-<N>` only once everything is on disk (renaming a directory is atomic on POSIX file
+systems), and old checkpoints are renamed to `.deleting-*` before they are removed. So a run
+killed at any moment leaves complete checkpoints and hidden leftovers, which the next run removes.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+WEIGHTS_NAME = "model.safetensors"
+OPTIMIZER_NAME = "optimizer.pt"
+STATE_NAME = "trainer_state.json"
+_PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is incomplete, damaged, or not a checkpoint of this package."""
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step of a checkpoint directory named `step-<N>`."""
+    return int(path.name[len(_PREFIX) :])
+
+
+def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """The complete (renamed into place) checkpoints under `checkpoints_dir`, oldest first."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    return sorted((p for p in found if p.name[len(_PREFIX) :].isdigit()), key=checkpoint_step)
+
+
+def remove_leftovers(checkpoints_dir: str | Path) -> list[Path]:
+    """Delete what a killed run left: half-written (`.incomplete-*`) and half-deleted (`.deleting-*`) checkpoints.
+
+    Returns:
+        The removed paths.
+    """
+    checkpoints_dir = Path(checkpoints_dir)
+    leftovers = [*checkpoints_dir.glob(".incomplete-*"), *checkpoints_dir.glob(".deleting-*")]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights for a checkpoint, each stored once.
+
+    The embedding shared by source, target and the pre-softmax projection (§3.4) is stored under
+    `model.shared.weight` only: safetensors refuses tensors that share memory.
+    """
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    state.pop("lm_head.weight", None)
+    return {k: v for k, v in state.items() if not k.endswith("embeddings.embed_tokens.weight")}
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load weights written by `model_state` (tied copies of the embedding left out) into `model`.
+
+    Raises:
+        CheckpointError: a weight of the model is missing or the file holds unknown weights.
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = [n for n in missing if n != "lm_head.weight" and not n.endswith("embeddings.embed_tokens.weight")]
+    if untied or unexpected:
+        raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    # Data written but not synced can be lost on power failure even after the rename.
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def incomplete_dir(checkpoints_dir: Path, step: int) -> Path:
+    """Where every process writes its part of checkpoint `step` before `publish_checkpoint` renames it."""
+    path = checkpoints_dir / f".incomplete-{_PREFIX}{step}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_rng_state(directory: Path, rank: int) -> None:
+    """Save this process's torch random number generators (CPU, and CUDA when present): dropout draws from them."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda-{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(state, directory / f"rng-{rank}.safetensors")
+
+
+def write_main_state(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer_state: dict,
+    trainer_state: dict,
+) -> None:
+    """Write the weights, the optimizer/scheduler/scaler state and `trainer_state.json` (last, with file checksums).
+
+    Args:
+        directory: from `incomplete_dir`, after every process wrote its `rng-<rank>.safetensors`.
+        model: the unwrapped model.
+        optimizer_state: `{"optimizer": ..., "scheduler": ..., "scaler": ...}` state dicts (tensors,
+            numbers, strings, lists and dicts only).
+        trainer_state: JSON-serialisable progress (step, data position, log, ...).
+    """
+    save_file(model_state(model), directory / WEIGHTS_NAME)
+    torch.save(optimizer_state, directory / OPTIMIZER_NAME)
+    files = sorted(p for p in directory.iterdir() if p.name != STATE_NAME)
+    trainer_state = {**trainer_state, "files": {p.name: _sha256(p) for p in files}}
+    (directory / STATE_NAME).write_text(json.dumps(trainer_state, indent=1) + "\n")
+    for path in directory.iterdir():
+        _fsync(path)
+
+
+def publish_checkpoint(directory: Path, keep: int, protect: tuple[int, ...] = ()) -> Path:
+    """Rename a fully written checkpoint into place, then retire all but the last `keep` (and `protect`ed steps).
+
+    Returns:
+        The path of the published checkpoint, `checkpoints/step-<N>`.
+    """
+    final = directory.parent / directory.name[len(".incomplete-") :]
+    if final.exists():  # re-saving a step after a resume: the new copy replaces the old one
+        retired = directory.parent / f".deleting-{final.name}"
+        os.replace(final, retired)
+        shutil.rmtree(retired)
+    os.replace(directory, final)
+    _fsync(directory.parent)
+    for old in list_checkpoints(directory.parent)[:-keep]:
+        if checkpoint_step(old) not in protect:
+            retired = old.parent / f".deleting-{old.name}"
+            os.replace(old, retired)
+            shutil.rmtree(retired)
+    return final
+
+
+def verify_checkpoint(path: Path, world_size: int) -> dict:
+    """Check that a checkpoint is complete and undamaged before anything is loaded from it.
+
+    Args:
+        path: a `step-<N>` directory.
+        world_size: the number of processes that will resume from it (one RNG state each).
+
+    Returns:
+        Its `trainer_state.json`.
+
+    Raises:
+        CheckpointError: a file is missing, its checksum differs from the recorded one, or the
+            checkpoint was written by a different number of processes.
+    """
+    state_path = path / STATE_NAME
+    try:
+        state = json.loads(state_path.read_text())
+        files = state["files"]
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{state_path} is missing or unreadable ({error}).") from error
+    expected = {WEIGHTS_NAME, OPTIMIZER_NAME, *(f"rng-{rank}.safetensors" for rank in range(world_size))}
+    if not expected <= files.keys():
+        raise CheckpointError(
+            f"{path} was written by {state.get('world_size')} processes and lacks {sorted(expected - files.keys())}; "
+            f"resume with the same number of processes ({state.get('world_size')})."
+        )
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing.")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the one recorded when it was written.")
+    return state
+
+
+def latest_good_checkpoint(checkpoints_dir: Path, world_size: int) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint, verified (see `verify_checkpoint`); (None, None) when there is none.
+
+    Raises:
+        CheckpointError: the newest checkpoint is damaged; the message names the newest good one,
+            so that the user can remove the damaged one and resume from there.
+    """
+    checkpoints = list_checkpoints(checkpoints_dir)
+    if not checkpoints:
+        return None, None
+    try:
+        return checkpoints[-1], verify_checkpoint(checkpoints[-1], world_size)
+    except CheckpointError as error:
+        good = None
+        for older in reversed(checkpoints[:-1]):
+            try:
+                verify_checkpoint(older, world_size)
+            except CheckpointError:
+                continue
+            good = older
+            break
+        advice = (
+            f"The last good checkpoint is {good}: move {checkpoints[-1]} away and run again with --resume to continue "
+            "from it."
+            if good
+            else "No older checkpoint is intact: start a new run in another --output-dir."
+        )
+        message = f"Cannot resume: checkpoint {checkpoints[-1].name} is damaged: {error} {advice}"
+        raise CheckpointError(message) from error
+
+
+def load_optimizer_state(path: Path) -> dict:
+    """Read `optimizer.pt` without executing pickled code (`torch.load(weights_only=True)`).
+
+    Raises:
+        CheckpointError: the file holds anything but tensors and plain data, e.g. a crafted pickle.
+    """
+    try:
+        return torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise CheckpointError(
+            f"{path / OPTIMIZER_NAME} is not a safe optimizer state (only tensors and plain data are loaded, "
+            f"never pickled code): {str(error).splitlines()[0]}"
+        ) from error
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Read a checkpoint's `model.safetensors` (safetensors holds tensors only: nothing in it can run).
+
+    Raises:
+        CheckpointError: the file is not a valid safetensors file.
+    """
+    try:
+        return load_file(path / WEIGHTS_NAME)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path / WEIGHTS_NAME} is not a valid safetensors file: {error}") from error
+
+
+def restore_rng_state(path: Path, rank: int) -> None:
+    """Restore this process's random number generators from `rng-<rank>.safetensors`."""
+    state = load_file(path / f"rng-{rank}.safetensors")
+    torch.set_rng_state(state["cpu"])
+    cuda = [state[f"cuda-{i}"] for i in range(torch.cuda.device_count()) if f"cuda-{i}" in state]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the weights of several checkpoints (§6.1, checkpoint averaging), in float32.
+
+    "For the base models, we used a single model obtained by averaging the last 5 checkpoints,
+    which were written at 10-minute intervals. For the big models, we averaged the last 20."
+
+    Args:
+        paths: checkpoint directories, or `.safetensors` weight files.
+
+    Returns:
+        `{name: tensor}` as `model_state` writes it.
+
+    Raises:
+        ValueError: `paths` is empty or the files do not hold the same tensors.
+    """
+    if not paths:
+        raise ValueError("No checkpoints to average.")
+    files = [p / WEIGHTS_NAME if p.is_dir() else p for p in map(Path, paths)]
+    average = {k: v.double() for k, v in load_file(files[0]).items()}
+    for file in files[1:]:
+        state = load_file(file)
+        if state.keys() != average.keys():
+            raise ValueError(f"{file} does not hold the same tensors as {files[0]}; cannot average them.")
+        for name, tensor in state.items():
+            average[name] += tensor.double()
+    return {name: (total / len(files)).float() for name, total in average.items()}
