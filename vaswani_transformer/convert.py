@@ -1,4 +1,4 @@
-"""Import Hugging Face `MarianMTModel`s (the OPUS-MT models) as `VaswaniForConditionalGeneration`.
+"""Import Hugging Face `MarianMTModel`s (the OPUS-MT models) as `VaswaniForConditionalGeneration`, and back.
 
 Marian's architecture is the paper's Transformer with a few departures. Each is carried over
 exactly, never approximated:
@@ -14,6 +14,11 @@ exactly, never approximated:
 - `<pad>` as decoder start token and Marian's generation config (HF's length penalty and length
   limits) are kept as they are, so a converted model decodes like the original until the user
   asks for the paper's decoding (`paper_generation_config`).
+
+`to_marian` is the inverse mapping: it builds the `MarianMTModel` that computes the same function
+as one of ours (zero attention biases, zero `final_logits_bias`, ReLU, the permutation undone).
+The benchmark runs HF Marian and CTranslate2 on it, and `export.py` feeds it to CTranslate2's
+Marian converter.
 """
 
 import copy
@@ -21,7 +26,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import MarianMTModel
+from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
 from .configuration_vaswani import VaswaniConfig
 from .modeling_vaswani import VaswaniForConditionalGeneration, paper_generation_config
@@ -188,3 +193,98 @@ def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, pap
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, output_dir / name)
     return output_dir
+
+
+def _marian_config(config: VaswaniConfig, max_position_embeddings: int) -> MarianConfig:
+    problems = []
+    if config.d_k is not None and config.d_k * config.num_attention_heads != config.d_model:
+        problems.append(f"d_k={config.d_k} (Marian's heads have width d_model / h)")
+    if config.d_v is not None and config.d_v * config.num_attention_heads != config.d_model:
+        problems.append(f"d_v={config.d_v} (Marian's heads have width d_model / h)")
+    if config.normalize_before:
+        problems.append("pre-LayerNorm layers (normalize_before=True)")
+    if config.position_embedding_type != "sinusoidal":
+        problems.append("learned positional embeddings")
+    if config.layer_norm_eps != 1e-5:
+        problems.append(f"layer_norm_eps={config.layer_norm_eps} (Marian's is 1e-5)")
+    if not config.tie_word_embeddings:
+        problems.append("untied output projection (tie_word_embeddings=False)")
+    if problems:
+        raise ValueError(
+            "This model has no exact HF Marian equivalent: it has " + "; ".join(problems) + ". Only models "
+            "with the paper's architecture (or imported from Marian) can be exported."
+        )
+    return MarianConfig(
+        vocab_size=config.vocab_size,
+        decoder_vocab_size=config.vocab_size,
+        share_encoder_decoder_embeddings=True,
+        d_model=config.d_model,
+        encoder_layers=config.encoder_layers,
+        decoder_layers=config.decoder_layers,
+        encoder_attention_heads=config.num_attention_heads,
+        decoder_attention_heads=config.num_attention_heads,
+        encoder_ffn_dim=config.d_ff,
+        decoder_ffn_dim=config.d_ff,
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        activation_dropout=config.activation_dropout,
+        activation_function=config.activation_function,
+        scale_embedding=config.scale_embedding,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+        forced_eos_token_id=None,  # MarianConfig's default (0) would force a token we do not force
+        tie_word_embeddings=True,
+    )
+
+
+@torch.no_grad()
+def to_marian(model: VaswaniForConditionalGeneration, max_position_embeddings: int = 1024) -> MarianMTModel:
+    """Build the Hugging Face `MarianMTModel` that computes the same function as `model` (inverse of `from_marian`).
+
+    Every weight is copied with its d_model axis permuted from the paper's interleaved layout to
+    Marian's [sin | cos] (§3.5); Marian's attention biases and `final_logits_bias` are zero unless
+    `model` has them. The generation config keeps the beam size, limits and special tokens, but
+    Marian knows only HF's length penalty: the GNMT penalty and the per-sentence length limit of
+    §6.1 (`length_penalty_type`, `max_length_a/b`) are dropped.
+
+    Args:
+        model: the model to copy (any device and dtype; the copy is float32 on the CPU).
+        max_position_embeddings: rows of Marian's sinusoid table: the longest source or target, in
+            tokens, the copy can encode (ours has no limit).
+
+    Returns:
+        A `MarianMTModel` in eval mode whose logits match `model`'s up to float rounding.
+
+    Raises:
+        ValueError: `model` uses an option Marian cannot express (d_k or d_v other than d_model / h,
+            pre-LayerNorm, learned positions, another LayerNorm epsilon, untied output projection).
+    """
+    config = model.config
+    marian = MarianMTModel(_marian_config(config, max_position_embeddings))
+    ours = {key: tensor.detach().float().cpu() for key, tensor in model.state_dict().items()}
+    inverse = torch.argsort(marian_to_interleaved_permutation(config.d_model))
+
+    state = {key: torch.zeros_like(tensor) for key, tensor in marian.state_dict().items() if key.endswith("bias")}
+    for key, tensor in ours.items():
+        if key in TIED_KEYS:
+            continue
+        if key != "final_logits_bias":
+            for axis in _residual_axes(key):
+                tensor = tensor.index_select(axis, inverse)
+        state[key if key == "final_logits_bias" else _marian_key(key)] = tensor
+    missing, unexpected = marian.load_state_dict(state, strict=False)
+    assert not unexpected and all(
+        "embed_tokens" in key or "embed_positions" in key or key == "lm_head.weight" for key in missing
+    ), (missing, unexpected)
+    marian.tie_weights()
+
+    settings = {
+        key: value
+        for key, value in model.generation_config.to_diff_dict().items()
+        if key not in ("length_penalty_type", "max_length_a", "max_length_b", "transformers_version")
+    }
+    marian.generation_config = GenerationConfig(**settings)
+    return marian.eval()

@@ -96,7 +96,8 @@ def scaled_dot_product_attention(
         key: `(batch, heads, source_len, d_k)`.
         value: `(batch, heads, source_len, d_v)`.
         attention_mask: additive float mask broadcastable to `(batch, heads, target_len, source_len)`,
-            0 where attending is allowed and the dtype's minimum where it is not; or None.
+            0 where attending is allowed and the dtype's minimum where it is not; or a boolean mask,
+            True where attending is allowed (the SDPA format); or None.
         scaling: 1 / sqrt(d_k).
         dropout: dropout probability on the weights.
 
@@ -104,7 +105,9 @@ def scaled_dot_product_attention(
         The output, `(batch, target_len, heads, d_v)`, and the weights, `(batch, heads, target_len, source_len)`.
     """
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+    elif attention_mask is not None:
         weights = weights + attention_mask
     weights = F.softmax(weights, dim=-1)
     weights = F.dropout(weights, p=dropout, training=module.training)
@@ -187,9 +190,12 @@ class MultiHeadAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
 
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, scaled_dot_product_attention
-        )
+        implementation = self.config._attn_implementation
+        if implementation == "sdpa" and query.shape[2] == 1 and query.device.type == "cpu":
+            # One query per sentence, as in every step of incremental decoding: on the CPU, PyTorch's
+            # fused kernel costs about twice the two small matrix products of Eq. 1 (README, Performance).
+            implementation = "eager"
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         output, weights = attention(
             self,
             query,
@@ -828,6 +834,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                 length = kwargs["cur_len"] - kwargs["decoder_prompt_len"]
             kwargs["length_penalty"] = _gnmt_as_power(length, kwargs["length_penalty"])
         return super()._check_early_stop_heuristic(**kwargs)
+
+    def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.Tensor) -> EncoderDecoderCache:
+        # Called by HF's beam search after each step to follow the surviving beams. It moves beams only
+        # within their sentence, and every beam of a sentence attends to the same encoder output, so
+        # the cross-attention keys and values are already in order: only the self-attention ones move.
+        past_key_values.self_attention_cache.reorder_cache(beam_idx)
+        return past_key_values
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, **kwargs) -> nn.Embedding:
         """`PreTrainedModel.resize_token_embeddings`, also resizing `final_logits_bias` (zeros for new tokens)."""

@@ -1,0 +1,373 @@
+"""Speed and memory of this Transformer beside HF Marian and CTranslate2, on identical weights, in one run.
+
+For each preset the script builds one randomly initialised `VaswaniForConditionalGeneration`,
+the `MarianMTModel` that computes the same function (`convert.to_marian`: zero attention biases,
+zero `final_logits_bias`, ReLU, sqrt(d_model) embedding scale, the sinusoid permutation) and the
+CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fresh Python process
+(this script with `--child`), which reports its own peak resident memory (VmHWM):
+
+- training: non-padding source + target tokens per second of forward + backward + Adam step, on
+  the same Multi30k batches (the project's `TokenBatchSampler`, `--max-tokens` per side) for both
+  PyTorch engines. Both compute the same loss: ours its fused label-smoothed cross entropy,
+  Marian `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
+- decoding: generated tokens per second of beam search (beam 4) and greedy search, batches of 32
+  Multi30k test sentences. Untrained weights would stop at random lengths, so every engine is
+  forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =
+  max_new_tokens; CTranslate2: min_decoding_length = max_decoding_length); each child checks the
+  lengths it produced, and the parent refuses results whose token counts differ.
+
+    python scripts/benchmark.py --presets small base --threads 2 --output-dir benchmarks
+
+writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. Multi30k is read from `--data-dir`
+(default: ../shared/data/multi30k beside the repository); nothing from it is written to the repository.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = {"ours": "Ours", "marian": "HF Marian", "ct2-float32": "CT2 float32", "ct2-int8": "CT2 int8"}
+TASKS = {"train": ("ours", "marian"), "beam": tuple(ENGINES), "greedy": tuple(ENGINES)}
+
+
+# The parent: models, data, one child process per (engine, task), the report ----------------------
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> dict:
+    """Tokenizer, shared data files and, per preset, the three models with identical weights."""
+    import torch
+
+    from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
+    from vaswani_transformer.convert import to_marian
+    from vaswani_transformer.data import TokenBatchSampler, load_parallel_corpus, text_batches, tokenize_corpus
+    from vaswani_transformer.export import export_ctranslate2
+    from vaswani_transformer.tokenization import train_tokenizer
+
+    corpus = load_parallel_corpus(args.data_dir, "en", "de")
+    tokenizer = train_tokenizer(text_batches(corpus, ["en", "de"]), vocab_size=args.vocab_size)
+
+    # Training batches: the first sentence pairs of the training set, batched as `train` batches them.
+    train = tokenize_corpus(corpus, tokenizer, "en", "de")["train"].select(range(args.train_sentences))
+    sampler = TokenBatchSampler(train["source_length"], train["target_length"], args.max_tokens, seed=0)
+    batches = []
+    for indices in list(sampler)[: args.train_warmup + args.train_steps]:
+        rows = train.select(indices)
+        source = tokenizer.pad({"input_ids": rows["input_ids"]}, return_tensors="pt")
+        labels = tokenizer.pad({"input_ids": rows["labels"]}, return_tensors="pt")
+        labels = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)
+        batches.append({"input_ids": source["input_ids"], "attention_mask": source["attention_mask"], "labels": labels})
+    torch.save(batches, workdir / "train_batches.pt")
+
+    sources = corpus["test_2016_flickr"]["en"][: args.decode_batches * 32]
+    decode = [tokenizer(sources[i : i + 32], padding=True, return_tensors="pt") for i in range(0, len(sources), 32)]
+    torch.save([dict(batch) for batch in decode], workdir / "decode_batches.pt")
+    tokens = [[tokenizer.convert_ids_to_tokens(tokenizer(s)["input_ids"]) for s in sources[i : i + 32]]
+              for i in range(0, len(sources), 32)]  # fmt: skip
+    (workdir / "decode_tokens.json").write_text(json.dumps(tokens))
+
+    info = {"vocab_size": len(tokenizer), "presets": {}}
+    for preset in args.presets:
+        torch.manual_seed(0)
+        model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset(preset, vocab_size=len(tokenizer))).eval()
+        directory = workdir / preset
+        model.save_pretrained(directory / "ours")
+        tokenizer.save_pretrained(directory / "ours")
+        to_marian(model).save_pretrained(directory / "marian")
+        export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+        info["presets"][preset] = {"parameters": sum(p.numel() for p in model.parameters())}
+    info["train_tokens_per_step"] = sum(
+        int(b["attention_mask"].sum() + b["labels"].ne(-100).sum()) for b in batches[args.train_warmup :]
+    ) / max(1, len(batches) - args.train_warmup)
+    return info
+
+
+def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str, task: str) -> dict:
+    """Run one measurement in a fresh Python process and return its JSON result; RuntimeError if it fails."""
+    command = [sys.executable, __file__, "--child", engine, task, "--workdir", str(workdir / preset)]
+    command += ["--threads", str(args.threads), "--decode-length", str(args.decode_length)]
+    command += ["--train-warmup", str(args.train_warmup), "--repeats", str(args.repeats)]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} {task} ({preset}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    """CPU model, core count and library versions, for the report."""
+    import ctranslate2
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ctranslate2": ctranslate2.__version__,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    """a / b as "1.23x", or "–" when either is missing."""
+    return f"{a / b:.2f}x" if a and b else "–"
+
+
+def markdown(report: dict) -> str:
+    """The results as one Markdown table per preset: throughput, peak memory and the ratios."""
+    lines = []
+    for preset, results in report["results"].items():
+        lines += [
+            f"**{preset}** ({report['presets'][preset]['parameters'] / 1e6:.1f}M parameters, "
+            f"vocabulary {report['vocab_size']})",
+            "",
+            "| Measure | Ours | HF Marian | CT2 float32 | CT2 int8 | Ours / Marian | Ours / CT2 float32 |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        names = {"train": "training, tokens/s", "beam": "beam 4, generated tokens/s", "greedy": "greedy, tokens/s"}
+        for task, name in names.items():
+            row = results.get(task, {})
+            speed = {engine: row[engine]["tokens_per_second"] if engine in row else None for engine in ENGINES}
+            cells = [f"{speed[e]:,.0f}" if speed[e] else "–" for e in ENGINES]
+            lines.append(
+                f"| {name} | {' | '.join(cells)} | {ratio(speed['ours'], speed['marian'])} | "
+                f"{ratio(speed['ours'], speed['ct2-float32'])} |"
+            )
+        for task in names:  # the peak memory of the fastest round
+            row = results.get(task, {})
+            cells = [f"{row[e]['peak_rss_mib']:,.0f}" if e in row else "–" for e in ENGINES]
+            lines.append(f"| peak memory, {task}, MiB | {' | '.join(cells)} | | |")
+        lines.append("")
+    m = report["machine"]
+    lines.append(
+        f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores; torch {m['torch']}, transformers "
+        f"{m['transformers']}, ctranslate2 {m['ctranslate2']}. Load average before / after: "
+        f"{report['load_before']} / {report['load_after']}. Decoding: {report['decode_sentences']} Multi30k test "
+        f"sentences in batches of 32, {report['decode_length']} tokens each; training: "
+        f"{report['train_tokens_per_step']:,.0f} real tokens per step. No GPU on this machine: no GPU rows."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def parent(args: argparse.Namespace) -> None:
+    """Prepare models and data in a temporary folder, run every child, write cpu.json and cpu.md."""
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="vaswani-benchmark-") as tmp:
+        workdir = Path(tmp)
+        report = {"command": " ".join(["python", "scripts/benchmark.py", *sys.argv[1:]]), **prepare(args, workdir)}
+        report["results"] = {preset: {} for preset in args.presets}
+        # Rounds interleave the engines, so that a burst of load from other processes hits them all
+        # alike; the fastest round of each engine counts.
+        for _ in range(args.rounds):
+            for preset in args.presets:
+                results = report["results"][preset]
+                for task, engines in TASKS.items():
+                    for engine in (e for e in engines if task in args.tasks and e in args.engines):
+                        result = run_child(args, workdir, preset, engine, task)
+                        print(f"{preset:6} {task:6} {engine:12} {result['tokens_per_second']:10,.0f} tokens/s "
+                              f"{result['peak_rss_mib']:8,.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
+                        best = results.setdefault(task, {}).get(engine)
+                        if best is None or result["tokens_per_second"] > best["tokens_per_second"]:
+                            results[task][engine] = result
+                    generated = {r["tokens"] for r in results.get(task, {}).values()}
+                    if task != "train" and len(generated) > 1:
+                        raise RuntimeError(f"{task} decoding gave different numbers of tokens per engine: {generated}")
+    report.update(
+        machine=machine(),
+        threads=args.threads,
+        load_before=load_before,
+        load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+        decode_length=args.decode_length,
+        decode_sentences=args.decode_batches * 32,
+        rounds=args.rounds,
+    )
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (args.output_dir / "cpu.md").write_text(table)
+    print(table)
+
+
+# The children: one engine, one task, one process --------------------------------------------------
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process, in MiB."""
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child would report its parent's peak.
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_train(engine: str, args: argparse.Namespace) -> dict:
+    """Training throughput of `engine` ("ours" or "marian"): real source + target tokens per second."""
+    import torch
+    import torch.nn.functional as F
+
+    from vaswani_transformer.modeling_vaswani import shift_tokens_right
+
+    torch.manual_seed(0)
+    if engine == "ours":
+        from vaswani_transformer import VaswaniForConditionalGeneration
+
+        model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours")
+
+        def loss_of(batch):
+            return model(**batch).loss  # its fused label-smoothed cross entropy
+    else:
+        from transformers import MarianMTModel
+
+        model = MarianMTModel.from_pretrained(args.workdir / "marian")
+        config = model.config
+
+        def loss_of(batch):
+            # Marian's own loss is unsmoothed: the same function as ours is PyTorch's smoothed cross entropy.
+            decoder_input_ids = shift_tokens_right(batch["labels"], config.pad_token_id, config.decoder_start_token_id)
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
+
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    batches = torch.load(args.workdir.parent / "train_batches.pt")
+    tokens, elapsed = 0, 0.0
+    for step, batch in enumerate(batches):
+        start = time.perf_counter()
+        loss = loss_of(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= args.train_warmup:
+            elapsed += time.perf_counter() - start
+            tokens += int(batch["attention_mask"].sum() + batch["labels"].ne(-100).sum())
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_second": tokens / elapsed, "final_loss": loss.item()}
+
+
+def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict:
+    """Generated tokens per second of `generate()` ("ours" or "marian"), beam 4 or greedy, best of the repeats."""
+    import torch
+    from transformers import GenerationConfig
+
+    if engine == "ours":
+        from vaswani_transformer import VaswaniForConditionalGeneration
+
+        model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours").eval()
+    else:
+        from transformers import MarianMTModel
+
+        model = MarianMTModel.from_pretrained(args.workdir / "marian").eval()
+    config = model.config
+    # One decoding configuration for both: same search, same processors, exactly decode_length tokens.
+    model.generation_config = GenerationConfig(
+        num_beams=4 if task == "beam" else 1,
+        do_sample=False,
+        early_stopping=True,
+        length_penalty=1.0,
+        min_new_tokens=args.decode_length,
+        max_new_tokens=args.decode_length,
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        suppress_tokens=[config.pad_token_id, config.bos_token_id],
+    )
+    batches = torch.load(args.workdir.parent / "decode_batches.pt")
+    with torch.inference_mode():
+        model.generate(**batches[0])  # warm-up: first-call allocations and lazy initialisation
+        times, tokens = [], 0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            outputs = [model.generate(**batch) for batch in batches]
+            times.append(time.perf_counter() - start)
+    for output in outputs:
+        generated = output[:, 1:]
+        lengths = (generated.ne(config.pad_token_id) & generated.ne(config.eos_token_id)).sum(-1)
+        assert bool((lengths == args.decode_length).all()), lengths
+        tokens += int(lengths.sum())
+    best = min(times)
+    return {"tokens": tokens, "seconds": best, "tokens_per_second": tokens / best, "all_seconds": times}
+
+
+def child_decode_ct2(engine: str, task: str, args: argparse.Namespace) -> dict:
+    """Generated tokens per second of CTranslate2's `translate_batch` in float32 or int8, best of the repeats."""
+    import ctranslate2
+
+    compute_type = engine.removeprefix("ct2-")
+    translator = ctranslate2.Translator(
+        str(args.workdir / "ct2"), device="cpu", compute_type=compute_type, intra_threads=args.threads
+    )
+    batches = json.loads((args.workdir.parent / "decode_tokens.json").read_text())
+    options = dict(
+        beam_size=4 if task == "beam" else 1,
+        min_decoding_length=args.decode_length,
+        max_decoding_length=args.decode_length,
+    )
+    translator.translate_batch(batches[0], **options)  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        outputs = [translator.translate_batch(batch, **options) for batch in batches]
+        times.append(time.perf_counter() - start)
+    lengths = [len(result.hypotheses[0]) for output in outputs for result in output]
+    assert set(lengths) == {args.decode_length}, set(lengths)
+    best = min(times)
+    return {"tokens": sum(lengths), "seconds": best, "tokens_per_second": sum(lengths) / best, "all_seconds": times}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One (engine, task) measurement; prints its result as one JSON line."""
+    engine, task = args.child
+    if not engine.startswith("ct2"):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if task == "train":
+        result = child_train(engine, args)
+    elif engine.startswith("ct2"):
+        result = child_decode_ct2(engine, task, args)
+    else:
+        result = child_decode_torch(engine, task, args)
+    result["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(result))
+
+
+def main() -> None:
+    """Parse the options; run the whole benchmark, or one child measurement."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["small", "base"], help="model sizes (default: small base)")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="what to measure")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), help="engines to run")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per engine (default: 2)")
+    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "multi30k")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="BPE vocabulary (default: 8000, as main_job.sh)")
+    parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per side and training batch")
+    parser.add_argument("--train-sentences", type=int, default=4000, help="training pairs the batches are cut from")
+    parser.add_argument("--train-warmup", type=int, default=2, help="untimed training steps first (default: 2)")
+    parser.add_argument("--train-steps", type=int, default=10, help="timed training steps (default: 10)")
+    parser.add_argument("--decode-batches", type=int, default=2, help="batches of 32 test sentences (default: 2)")
+    parser.add_argument("--decode-length", type=int, default=24, help="tokens generated per sentence (default: 24)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats; the best counts (default: 3)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every child; the best counts (default: 1)")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks", help="where cpu.json and cpu.md go")
+    parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Export to CTranslate2: the served model translates Multi30k exactly as our generate() does."""
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from vaswani_transformer.cli import main
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+
+@pytest.fixture(scope="module")
+def exported(trained_model_dir, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("ct2") / "model"
+    assert main(["export-ctranslate2", str(trained_model_dir), str(output_dir)]) == 0
+    return output_dir
+
+
+def test_ctranslate2_beam_search_gives_our_generate_output_on_multi30k(trained_model_dir, exported, corpus):
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    translator = ctranslate2.Translator(str(exported), device="cpu", intra_threads=2)
+    sources = corpus["test_2016_flickr"]["en"][:96]
+    # CTranslate2 has HF's length normalisation (score / length ** penalty), not the GNMT penalty of §6.1.
+    decoding = dict(num_beams=4, length_penalty=1.0, length_penalty_type="hf", max_length_a=None, max_length_b=None)
+    ours, theirs = [], []
+    for start in range(0, len(sources), 32):
+        batch = sources[start : start + 32]
+        output = model.generate(**tokenizer(batch, padding=True, return_tensors="pt"), **decoding, max_new_tokens=40)
+        special = {tokenizer.pad_token_id, tokenizer.eos_token_id, model.config.decoder_start_token_id}
+        ours += [[t for t in row.tolist()[1:] if t not in special] for row in output]
+        tokens = [tokenizer.convert_ids_to_tokens(tokenizer(s)["input_ids"]) for s in batch]
+        results = translator.translate_batch(tokens, beam_size=4, length_penalty=1.0, max_decoding_length=40)
+        theirs += [tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]
+    assert sum(len(ids) for ids in ours) > 5 * len(sources)  # real translations, not empty ones
+    assert ours == theirs
+
+
+def test_ctranslate2_scores_are_our_log_probabilities(trained_model_dir, exported, corpus):
+    # Same decoder start (<s>, not CTranslate2's Marian zero vector) and every vocabulary row kept.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    translator = ctranslate2.Translator(str(exported), device="cpu")
+    source, target = corpus["test_2016_flickr"]["en"][0], corpus["test_2016_flickr"]["de"][0]
+    source_tokens = tokenizer.convert_ids_to_tokens(tokenizer(source)["input_ids"])
+    target_ids = tokenizer(text_target=target)["input_ids"]
+    (score,) = translator.score_batch([source_tokens], [tokenizer.convert_ids_to_tokens(target_ids[:-1])])
+    with torch.no_grad():
+        logits = model(**tokenizer(source, return_tensors="pt"), labels=torch.tensor([target_ids])).logits
+    # CTranslate2 gives <pad> and <s> a logit of -inf (never generated), so it normalises over the other tokens.
+    logits[..., [tokenizer.pad_token_id, tokenizer.bos_token_id]] = -torch.inf
+    log_probs = logits.log_softmax(-1)[0].gather(-1, torch.tensor(target_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(score.log_probs), log_probs, atol=2e-5, rtol=0)
+
+
+def test_export_refuses_to_overwrite_and_explains(trained_model_dir, exported, capsys):
+    assert main(["export-ctranslate2", str(trained_model_dir), str(exported)]) == 2
+    assert "--force" in capsys.readouterr().err
