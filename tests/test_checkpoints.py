@@ -11,44 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_arguments, tiny_run
 from safetensors.torch import load_file
 
 import vaswani_transformer.modeling_vaswani as modeling
 from vaswani_transformer import checkpoints as ckpt
 from vaswani_transformer.cli import main
-from vaswani_transformer.training import NonFiniteLossError, TrainingConfig, train
-
-TINY = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
-
-
-@pytest.fixture(scope="module")
-def mini_corpus(multi30k_dir, tmp_path_factory) -> Path:
-    """The first 400 training and 100 validation pairs of Multi30k."""
-    corpus = tmp_path_factory.mktemp("mini")
-    for split, count in (("train", 400), ("val", 100)):
-        for lang in ("en", "de"):
-            lines = (multi30k_dir / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:count]
-            (corpus / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return corpus
-
-
-def tiny_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
-    settings = dict(
-        data=str(corpus), source_lang="en", target_lang="de", output_dir=str(output_dir), model_overrides=TINY,
-        vocab_size=300, max_tokens=256, warmup_steps=4, max_steps=12, log_steps=1, eval_steps=6, save_steps=3,
-        average_last=2,
-    )  # fmt: skip
-    return TrainingConfig(**{**settings, **overrides})
-
-
-def cli_arguments(config: TrainingConfig) -> list[str]:
-    arguments = ["train", "--data-dir", config.data, "--source-lang", "en", "--target-lang", "de"]
-    arguments += ["--output-dir", config.output_dir, "--preset", config.preset, "--vocab-size", str(config.vocab_size)]
-    for key, value in config.model_overrides.items():
-        arguments += ["--model-option", f"{key}={value}"]
-    for option in ("max_tokens", "warmup_steps", "max_steps", "log_steps", "eval_steps", "save_steps", "average_last"):
-        arguments += [f"--{option.replace('_', '-')}", str(getattr(config, option))]
-    return arguments
+from vaswani_transformer.training import NonFiniteLossError, train
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:

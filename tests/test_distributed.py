@@ -1,14 +1,12 @@
 """Data parallelism: two processes (gloo on CPU) under `accelerate launch` train like one with the same global batch."""
 
-import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from conftest import cli_arguments, read_log, tiny_run
 from safetensors.torch import load_file
-from test_checkpoints import cli_arguments, mini_corpus, tiny_run  # noqa: F401  (mini_corpus is a fixture)
 
 from vaswani_transformer.training import train
 
@@ -19,11 +17,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def read_log(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "training_log.jsonl").read_text().splitlines()]
-
-
-def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):  # noqa: F811
+def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):
     # No dropout, so that the processes' random draws do not matter; one process accumulating two
     # batches per step sees exactly the batches that two processes see together.
     settings = dict(model_overrides={**tiny_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=8)

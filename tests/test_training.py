@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_log
+from conftest import read_log, tiny_run
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
@@ -86,3 +86,20 @@ def test_training_config_needs_a_budget():
         TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o")
     with pytest.raises(ValueError, match="max_tokens"):
         TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1, max_tokens=0)
+
+
+def test_validation_bleu_drives_best_checkpoint_early_stopping_and_tensorboard(mini_corpus, tmp_path):
+    from vaswani_transformer import checkpoints as ckpt
+    from vaswani_transformer.training import train
+
+    config = tiny_run(mini_corpus, tmp_path / "run", max_steps=40, eval_steps=2, bleu_sentences=8)
+    config.early_stopping_patience, config.report_to = 2, ["tensorboard"]
+    output = train(config)
+    validations = [r for r in read_log(output) if "validation_loss" in r]
+    assert all(0.0 <= r["validation_bleu"] <= 100.0 for r in validations)
+    # A 12-step model translates 8 sentences with BLEU 0: no validation beats the first, so the
+    # run stops after 2 more, at step 6, and the first stays the best checkpoint.
+    assert [r["step"] for r in validations] == [2, 4, 6]
+    state = ckpt.verify_checkpoint(ckpt.list_checkpoints(output / "checkpoints")[-1], world_size=1)
+    assert state["best_step"] == 2 and (output / "checkpoints" / "step-2").is_dir()
+    assert list((output / "runs").rglob("events.out.tfevents.*")), "no TensorBoard event file"
