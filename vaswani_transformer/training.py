@@ -454,6 +454,7 @@ def train(config: TrainingConfig) -> Path:
                 score = -bleu
             if state["best_score"] is None or score < state["best_score"]:
                 state.update(best_score=score, best_step=step, validations_without_improvement=0)
+                save_due = True  # the best model is kept as a checkpoint, whatever --save-steps says
             else:
                 state["validations_without_improvement"] += 1
             patience = config.early_stopping_patience
