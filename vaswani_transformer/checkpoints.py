@@ -100,10 +100,14 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def incomplete_dir(checkpoints_dir: Path, step: int) -> Path:
-    """Where every process writes its part of checkpoint `step` before `publish_checkpoint` renames it."""
+def incomplete_dir(checkpoints_dir: Path, step: int, create: bool = True) -> Path:
+    """Where every process writes its part of checkpoint `step` before `publish_checkpoint` renames it.
+
+    Only one process should `create` it; the others take the path after a barrier.
+    """
     path = checkpoints_dir / f".incomplete-{_PREFIX}{step}"
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 

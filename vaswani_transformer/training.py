@@ -237,9 +237,7 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
 
 def _save_checkpoint(accelerator, model, optimizer, scheduler, checkpoints_dir: Path, state: dict, keep: int) -> Path:
     """Every process writes its RNG state, the main process the rest; the checkpoint appears atomically."""
-    directory = checkpoints_dir / f".incomplete-step-{state['step']}"
-    if accelerator.is_main_process:
-        ckpt.incomplete_dir(checkpoints_dir, state["step"])
+    directory = ckpt.incomplete_dir(checkpoints_dir, state["step"], create=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     ckpt.write_rng_state(directory, accelerator.process_index)
     accelerator.wait_for_everyone()
