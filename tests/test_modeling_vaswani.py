@@ -489,6 +489,9 @@ def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_l
     assert torch.isfinite(model(input_ids=ids, labels=ids).logits).all()
     with pytest.raises(ValueError, match="max_position_embeddings=16"):
         model(input_ids=torch.full((1, 17), 7), labels=ids)
+    # generate() stops at the last learned position instead of failing halfway through a batch.
+    output = model.generate(input_ids=ids[:, :4], num_beams=2, min_new_tokens=40, max_new_tokens=40)
+    assert output.shape[1] == 1 + 16
 
 
 def test_config_rejects_unknown_options():

@@ -776,7 +776,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         `max_length_a` and `max_length_b` set (fairseq's max_len_a and max_len_b), sentence i of the
         batch ends with `</s>` after at most `max_length_a * source_length_i + max_length_b` tokens,
         source_length_i counting its non-padding tokens. Without them, HF's batch-wide
-        `max_new_tokens` alone applies.
+        `max_new_tokens` alone applies. With learned positions (Table 3, row E) at most
+        `max_position_embeddings` tokens are generated: the model has no position vector beyond them.
 
         Args:
             inputs: `(batch, source_len)` source ids (or pass `input_ids=`).
@@ -807,6 +808,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             )
             longest = int(limits.max()) + 1  # room for the final </s>
             kwargs["max_new_tokens"] = min(longest, kwargs.get("max_new_tokens") or config.max_new_tokens or longest)
+        if self.config.position_embedding_type == "learned":
+            # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of
+            # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
+            limit = self.config.max_position_embeddings
+            kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
         self._gnmt_length_penalty = penalty_type == "gnmt"
         try:
             return super().generate(
