@@ -26,6 +26,8 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["sentences"] == 40 and 0 <= result["bleu"] <= 100
     assert "tok:13a" in result["signature"] and "case:mixed" in result["signature"]
+    # Lowercasing merges n-grams, so it can only add matches: the lowercased score is never lower.
+    assert "case:lc" in result["signature_lowercased"] and result["bleu_lowercased"] >= result["bleu"]
     hypotheses = output.read_text().splitlines()
     assert len(hypotheses) == 40 and sum(bool(h) for h in hypotheses) > 30
     # The score lands in the model card, as Hub metadata (model-index) and in its text.
