@@ -21,7 +21,7 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-23}
 if grep -q -w -E "avx512_bf16|amx_bf16" /proc/cpuinfo 2>/dev/null; then PRECISION=bf16; else PRECISION=no; fi
 
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -e .
+python -m pip install --quiet --disable-pip-version-check -e ".[plot]"  # plot: learning_curve.png
 
 vaswani-transformer train --data-dir "$DATA_DIR" --source-lang "$SRC" --target-lang "$TGT" \
     --output-dir "$OUTPUT_DIR" --preset small --vocab-size 8000 --max-tokens 2048 \
