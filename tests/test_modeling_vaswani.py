@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, modeling_vaswani
 from vaswani_transformer.modeling_vaswani import (
     SinusoidalPositionalEncoding,
     label_smoothed_cross_entropy,
@@ -433,6 +433,45 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         assert output.sequences_scores[row].item() == pytest.approx(log_probability / penalty, abs=1e-4)
         checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the paper's: beam 4, GNMT penalty 0.6, output length at most input length + 50
+        {"length_penalty_type": "hf", "num_beams": 5, "length_penalty": 1.0},
+        {"num_return_sequences": 4, "length_penalty": 2.0},  # all finished hypotheses, in order
+        {"num_return_sequences": 2, "max_length_a": 0.5, "max_length_b": 2, "no_repeat_ngram_size": 2},
+        {"encoder_no_repeat_ngram_size": 3},  # per-sentence state: every sentence stays to the end
+    ],
+)
+def test_beam_search_returns_what_transformers_beam_search_returns(
+    trained_model_dir, test_sentences, monkeypatch, options
+):
+    # generate() runs our beam search, which drops finished sentences from the batch; asking for a
+    # dict of outputs runs transformers' own loop instead. Both must give the same hypotheses.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(test_sentences[0][:48], padding=True, return_tensors="pt")
+    calls = {"search": 0, "batch_narrowed": 0}
+    search, select = modeling_vaswani.beam_search, modeling_vaswani.SourceLengthLimit.select
+
+    def counted_search(*args, **kwargs):
+        calls["search"] += 1
+        return search(*args, **kwargs)
+
+    def counted_select(self, sentences):
+        calls["batch_narrowed"] += 1
+        return select(self, sentences)
+
+    monkeypatch.setattr(modeling_vaswani, "beam_search", counted_search)
+    monkeypatch.setattr(modeling_vaswani.SourceLengthLimit, "select", counted_select)
+    with torch.no_grad():
+        ours = model.generate(**inputs, **options)
+        reference = model.generate(**inputs, **options, return_dict_in_generate=True).sequences
+    assert calls["search"] == 1
+    assert (calls["batch_narrowed"] > 0) == ("encoder_no_repeat_ngram_size" not in options)
+    assert torch.equal(ours, reference)
 
 
 def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):

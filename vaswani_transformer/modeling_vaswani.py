@@ -15,7 +15,23 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import LogitsProcessor, LogitsProcessorList
+from transformers.generation import (
+    EosTokenCriteria,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    StoppingCriteriaList,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -786,6 +802,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`,
                 `length_penalty_type`, `max_length_a`, ...).
 
+        Beam search with `early_stopping=True` that returns only the sequences (the paper's, and
+        what `translate`, the pipeline and `evaluate` ask for) runs `beam_search`, which gives HF's
+        hypotheses faster; anything else runs HF's own loop.
+
         Returns:
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
 
@@ -840,6 +860,25 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                 length = kwargs["cur_len"] - kwargs["decoder_prompt_len"]
             kwargs["length_penalty"] = _gnmt_as_power(length, kwargs["length_penalty"])
         return super()._check_early_stop_heuristic(**kwargs)
+
+    def _beam_search(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs,
+    ) -> torch.LongTensor:
+        # By now `generate` has merged the generation config, encoded the source once, copied it to
+        # every beam and built the logits processors; only the search loop is replaced, and only for
+        # the plain beam search of §6.1. Scores, attentions, sampling and the like stay with HF's loop.
+        if _plain_beam_search(input_ids, generation_config, stopping_criteria, synced_gpus, model_kwargs):
+            length_penalty = gnmt_length_penalty if self._gnmt_length_penalty else _power_length_penalty
+            return beam_search(self, input_ids, logits_processor, generation_config, length_penalty, **model_kwargs)
+        return super()._beam_search(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
+        )
 
     def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.Tensor) -> EncoderDecoderCache:
         # Called by HF's beam search after each step to follow the surviving beams. It moves beams only
@@ -907,6 +946,11 @@ def gnmt_length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def _power_length_penalty(length: int, alpha: float) -> float:
+    # transformers' length normalisation: |Y| ** alpha.
+    return float(length) ** alpha
+
+
 def _gnmt_as_power(length: int, alpha: float) -> float:
     # The exponent e with length ** e == gnmt_length_penalty(length, alpha); at length 1 both are 1.
     if length <= 1:
@@ -926,6 +970,10 @@ class SourceLengthLimit(LogitsProcessor):
         self.limits = limits
         self.eos_token_id = eos_token_id
 
+    def select(self, sentences: torch.Tensor) -> "SourceLengthLimit":
+        """The limit for the sentences left in a batch: `sentences` `(kept,)` indexes this batch."""
+        return SourceLengthLimit(self.limits[sentences.to(self.limits.device)], self.eos_token_id)
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """`input_ids` `(batch * beams, 1 + generated)` (the decoder start first), `scores` `(batch * beams, vocab)`."""
         limits = self.limits.to(input_ids.device).repeat_interleave(input_ids.shape[0] // self.limits.shape[0])
@@ -935,3 +983,162 @@ class SourceLengthLimit(LogitsProcessor):
             forced[self.eos_token_id] = 0.0
             scores = torch.where(at_limit[:, None], forced, scores)
         return scores
+
+
+def _plain_beam_search(
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    stopping_criteria: StoppingCriteriaList,
+    synced_gpus: bool,
+    model_kwargs: dict,
+) -> bool:
+    # What `beam_search` does exactly as HF's loop does: deterministic search that stops a sentence
+    # at num_beams finished hypotheses, ends on </s> or the length limit, returns only sequences.
+    config = generation_config
+    return (
+        input_ids.shape[1] < config.max_length
+        and not config.do_sample
+        and config.early_stopping is True
+        and not config.return_dict_in_generate
+        and config._eos_token_tensor is not None
+        and not synced_gpus
+        and all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
+        and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
+        and "encoder_outputs" in model_kwargs
+    )
+
+
+# Processors that look at each row on its own: beam search may drop finished sentences under them.
+_ROW_WISE_PROCESSORS = (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+
+@torch.no_grad()
+def beam_search(
+    model: "VaswaniForConditionalGeneration",
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    generation_config: GenerationConfig,
+    length_penalty: Callable[[int, float], float],
+    **model_kwargs,
+) -> torch.LongTensor:
+    """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
+
+    It chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
+    with less work per step: a sentence with num_beams finished hypotheses leaves the batch (its
+    rows of the cache, the encoder output and the mask go), a candidate's sequence is built only
+    when it ends, and finished hypotheses are merged only on steps where some end (README,
+    Performance). A hypothesis Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y|
+    counting the generated tokens with `</s>`. Sentences stay in the batch, as in HF's loop, when a
+    logits processor keeps state per sentence that this function cannot narrow.
+
+    Args:
+        model: gives the forward pass and the cache reordering.
+        input_ids: `(batch * num_beams, prompt_len)` decoder prompt, the decoder start token in each row.
+        logits_processor: applied to the log-probabilities of every step, as HF's loop applies them.
+        generation_config: gives `num_beams`, `length_penalty` (alpha), `max_length` (prompt included),
+            `num_return_sequences` and the `</s>` and `<pad>` ids.
+        length_penalty: (|Y|, alpha) -> divisor, e.g. `gnmt_length_penalty`.
+        **model_kwargs: `encoder_outputs` and `attention_mask` expanded to the beams, and
+            `past_key_values`, an empty `EncoderDecoderCache`, as `generate` prepares them.
+
+    Returns:
+        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first, padded
+        after `</s>` to the longest one returned.
+    """
+    num_beams, alpha = generation_config.num_beams, generation_config.length_penalty
+    max_length = generation_config.max_length
+    eos = generation_config._eos_token_tensor
+    pad = generation_config._pad_token_tensor
+    fill = int(pad or eos[0])  # as HF fills, a pad id of 0 included
+    rows, prompt_len = input_ids.shape
+    batch = rows // num_beams
+    device = input_ids.device
+    # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
+    num_candidates = max(2, 1 + eos.numel()) * num_beams
+    can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
+
+    # The finished hypotheses of every sentence, best first.
+    finished = input_ids.new_full((batch, num_beams, max_length), fill)
+    finished_scores = torch.full((batch, num_beams), -1.0e9, device=device)
+    finished_lengths = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
+    is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
+
+    # The running beams of the sentences still in the batch (`active`, by their index in the batch).
+    active = torch.arange(batch, device=device)
+    sequences = input_ids.new_full((rows, max_length), fill)
+    sequences[:, :prompt_len] = input_ids
+    # All beams of a sentence start alike: only the first may expand at the first step.
+    scores = torch.zeros(batch, num_beams, device=device)
+    scores[:, 1:] = -1.0e9
+    cache = model_kwargs["past_key_values"]
+    encoder_states = model_kwargs["encoder_outputs"].last_hidden_state
+    attention_mask = model_kwargs.get("attention_mask")
+
+    for length in range(prompt_len, max_length):
+        logits = model(
+            decoder_input_ids=sequences[:, length - 1 : length],
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_states),
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        log_probs = logits_processor(sequences[:, :length], logits.float().log_softmax(dim=-1))
+        vocab_size = log_probs.shape[-1]
+        candidates = (log_probs.view(len(active), num_beams, vocab_size) + scores[..., None]).view(len(active), -1)
+        candidate_scores, candidate_ids = candidates.topk(num_candidates)
+        sentence_rows = torch.arange(len(active), device=device)[:, None]
+        candidate_rows = candidate_ids // vocab_size + sentence_rows * num_beams
+        candidate_tokens = candidate_ids % vocab_size
+        ends = torch.isin(candidate_tokens, eos) | (length + 1 >= max_length)
+
+        # A candidate among the best num_beams that ends joins its sentence's finished hypotheses,
+        # of which the best num_beams are kept.
+        just_finished = ends[:, :num_beams]
+        if just_finished.any():
+            generated = length + 1 - prompt_len
+            new_scores = candidate_scores[:, :num_beams] / length_penalty(generated, alpha) - 1.0e9 * ~just_finished
+            new = sequences[candidate_rows[:, :num_beams]]
+            new[..., length] = candidate_tokens[:, :num_beams]
+            merged_scores, best = torch.cat((finished_scores[active], new_scores), dim=1).topk(num_beams)
+            finished[active] = torch.cat((finished[active], new), dim=1)[sentence_rows, best]
+            new_lengths = finished_lengths.new_full(new_scores.shape, generated)
+            finished_lengths[active] = torch.cat((finished_lengths[active], new_lengths), dim=1).gather(1, best)
+            is_finished[active] = torch.cat((is_finished[active], just_finished), dim=1).gather(1, best)
+            finished_scores[active] = merged_scores
+        done = is_finished[active].all(dim=1)
+        if bool(done.all()) or length + 1 >= max_length:
+            break
+
+        # The best num_beams candidates that go on become the beams of the next step.
+        running = (candidate_scores - 1.0e9 * ends).topk(num_beams).indices
+        scores = candidate_scores.gather(1, running) - 1.0e9 * ends.gather(1, running)
+        beam_rows = candidate_rows.gather(1, running)
+        tokens = candidate_tokens.gather(1, running)
+        if can_drop and bool(done.any()):
+            kept = (~done).nonzero().squeeze(1)
+            kept_rows = (kept[:, None] * num_beams + torch.arange(num_beams, device=device)).view(-1)
+            active, scores, beam_rows, tokens = active[kept], scores[kept], beam_rows[kept], tokens[kept]
+            encoder_states = encoder_states[kept_rows]
+            attention_mask = attention_mask[kept_rows] if attention_mask is not None else None
+            cache.cross_attention_cache.reorder_cache(kept_rows)
+            logits_processor = LogitsProcessorList(
+                p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in logits_processor
+            )
+        sequences = sequences[beam_rows.view(-1)]
+        sequences[:, length] = tokens.view(-1)
+        cache = model._reorder_cache(cache, beam_rows.view(-1))
+
+    returned = generation_config.num_return_sequences
+    output_length = prompt_len + int(finished_lengths[:, :returned].max())
+    return finished[:, :returned, :output_length].reshape(batch * returned, output_length)
