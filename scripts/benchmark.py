@@ -15,8 +15,13 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
   forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =
   max_new_tokens; CTranslate2: min_decoding_length = max_decoding_length); each child checks the
   lengths it produced, and the parent refuses results whose token counts differ.
+- translation (with `--model`, a trained model directory): sentences per second of beam search
+  (beam 4, length normalisation alpha 1, up to 128 tokens) on Multi30k test sentences in batches
+  of 32, each sentence ending where the model ends it, as in real use: here a search that stops
+  working on finished sentences gains. The three engines run the same trained weights.
 
-    python scripts/benchmark.py --presets small base --threads 2 --output-dir benchmarks
+    python scripts/benchmark.py --presets small base --threads 2 --output-dir benchmarks \
+        [--model outputs/multi30k-en-de]
 
 writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. Multi30k is read from `--data-dir`
 (default: ../shared/data/multi30k beside the repository); nothing from it is written to the repository.
@@ -35,7 +40,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"ours": "Ours", "marian": "HF Marian", "ct2-float32": "CT2 float32", "ct2-int8": "CT2 int8"}
-TASKS = {"train": ("ours", "marian"), "beam": tuple(ENGINES), "greedy": tuple(ENGINES)}
+TASKS = {
+    "train": ("ours", "marian"),
+    "beam": tuple(ENGINES),
+    "greedy": tuple(ENGINES),
+    "translate": ("ours", "marian", "ct2-float32"),
+}
+TRAINED = "trained"  # the --model directory's engines, beside the presets'
 
 
 # The parent: models, data, one child process per (engine, task), the report ----------------------
@@ -44,6 +55,7 @@ TASKS = {"train": ("ours", "marian"), "beam": tuple(ENGINES), "greedy": tuple(EN
 def prepare(args: argparse.Namespace, workdir: Path) -> dict:
     """Tokenizer, shared data files and, per preset, the three models with identical weights."""
     import torch
+    from transformers import AutoTokenizer
 
     from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
     from vaswani_transformer.convert import to_marian
@@ -83,6 +95,22 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         to_marian(model).save_pretrained(directory / "marian")
         export_ctranslate2(directory / "ours", directory / "ct2", force=True)
         info["presets"][preset] = {"parameters": sum(p.numel() for p in model.parameters())}
+    if args.model:
+        directory = workdir / TRAINED
+        trained_tokenizer = AutoTokenizer.from_pretrained(args.model)
+        trained = VaswaniForConditionalGeneration.from_pretrained(args.model).eval()
+        trained.save_pretrained(directory / "ours")
+        trained_tokenizer.save_pretrained(directory / "ours")
+        to_marian(trained).save_pretrained(directory / "marian")
+        export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+        test = corpus["test_2016_flickr"]["en"][: args.translate_batches * 32]
+        test_batches = [test[i : i + 32] for i in range(0, len(test), 32)]
+        encoded = [dict(trained_tokenizer(batch, padding=True, return_tensors="pt")) for batch in test_batches]
+        torch.save(encoded, directory / "translate_batches.pt")
+        test_tokens = [[trained_tokenizer.convert_ids_to_tokens(trained_tokenizer(s)["input_ids"]) for s in batch]
+                       for batch in test_batches]  # fmt: skip
+        (directory / "translate_tokens.json").write_text(json.dumps(test_tokens))
+        info["translate_sentences"] = len(test)
     info["train_tokens_per_step"] = sum(
         int(b["attention_mask"].sum() + b["labels"].ne(-100).sum()) for b in batches[args.train_warmup :]
     ) / max(1, len(batches) - args.train_warmup)
@@ -123,10 +151,17 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "–"
 
 
+def speed(task: str, result: dict) -> float:
+    """What a task measures per second: sentences for `translate`, tokens otherwise."""
+    return result["sentences_per_second" if task == "translate" else "tokens_per_second"]
+
+
 def markdown(report: dict) -> str:
-    """The results as one Markdown table per preset: throughput, peak memory and the ratios."""
+    """The results as one Markdown table per preset (throughput, peak memory, ratios), then the trained model's."""
     lines = []
     for preset, results in report["results"].items():
+        if preset == TRAINED:
+            continue
         lines += [
             f"**{preset}** ({report['presets'][preset]['parameters'] / 1e6:.1f}M parameters, "
             f"vocabulary {report['vocab_size']})",
@@ -148,6 +183,22 @@ def markdown(report: dict) -> str:
             cells = [f"{row[e]['peak_rss_mib']:,.0f}" if e in row else "–" for e in ENGINES]
             lines.append(f"| peak memory, {task}, MiB | {' | '.join(cells)} | | |")
         lines.append("")
+    if TRAINED in report["results"]:
+        row = report["results"][TRAINED].get("translate", {})
+        rate = {engine: speed("translate", row[engine]) if engine in row else None for engine in ENGINES}
+        rates = " | ".join(f"{rate[e]:,.1f}" if rate[e] else "–" for e in TASKS["translate"])
+        tokens = " | ".join(str(row[e]["tokens"]) if e in row else "–" for e in TASKS["translate"])
+        lines += [
+            f"**trained model** ({report['translate_model']}): beam 4 on {report['translate_sentences']} Multi30k "
+            "test sentences, natural lengths",
+            "",
+            "| Measure | Ours | HF Marian | CT2 float32 | Ours / Marian | Ours / CT2 float32 |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| translation, sentences/s | {rates} | {ratio(rate['ours'], rate['marian'])} | "
+            f"{ratio(rate['ours'], rate['ct2-float32'])} |",
+            f"| generated tokens | {tokens} | | |",
+            "",
+        ]
     m = report["machine"]
     lines.append(
         f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores; torch {m['torch']}, transformers "
@@ -165,22 +216,26 @@ def parent(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="vaswani-benchmark-") as tmp:
         workdir = Path(tmp)
         report = {"command": " ".join(["python", "scripts/benchmark.py", *sys.argv[1:]]), **prepare(args, workdir)}
-        report["results"] = {preset: {} for preset in args.presets}
+        groups = [*args.presets, *([TRAINED] if args.model else [])]
+        report["results"] = {group: {} for group in groups}
         # Rounds interleave the engines, so that a burst of load from other processes hits them all
         # alike; the fastest round of each engine counts.
         for _ in range(args.rounds):
-            for preset in args.presets:
-                results = report["results"][preset]
+            for group in groups:
+                results = report["results"][group]
                 for task, engines in TASKS.items():
-                    for engine in (e for e in engines if task in args.tasks and e in args.engines):
-                        result = run_child(args, workdir, preset, engine, task)
-                        print(f"{preset:6} {task:6} {engine:12} {result['tokens_per_second']:10,.0f} tokens/s "
+                    if (task == "translate") != (group == TRAINED) or task not in args.tasks:
+                        continue
+                    for engine in (e for e in engines if e in args.engines):
+                        result = run_child(args, workdir, group, engine, task)
+                        print(f"{group:7} {task:9} {engine:12} {speed(task, result):10,.1f} per s "
                               f"{result['peak_rss_mib']:8,.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
                         best = results.setdefault(task, {}).get(engine)
-                        if best is None or result["tokens_per_second"] > best["tokens_per_second"]:
+                        if best is None or speed(task, result) > speed(task, best):
                             results[task][engine] = result
                     generated = {r["tokens"] for r in results.get(task, {}).values()}
-                    if task != "train" and len(generated) > 1:
+                    # Forced lengths make the work equal; a trained model's engines may differ by a few tokens.
+                    if task in ("beam", "greedy") and len(generated) > 1:
                         raise RuntimeError(f"{task} decoding gave different numbers of tokens per engine: {generated}")
     report.update(
         machine=machine(),
@@ -190,6 +245,7 @@ def parent(args: argparse.Namespace) -> None:
         decode_length=args.decode_length,
         decode_sentences=args.decode_batches * 32,
         rounds=args.rounds,
+        translate_model=str(args.model) if args.model else None,
     )
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "cpu.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -299,6 +355,57 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
     return {"tokens": tokens, "seconds": best, "tokens_per_second": tokens / best, "all_seconds": times}
 
 
+def child_translate(engine: str, args: argparse.Namespace) -> dict:
+    """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
+    options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
+    if engine.startswith("ct2"):
+        import ctranslate2
+
+        translator = ctranslate2.Translator(
+            str(args.workdir / "ct2"), device="cpu", compute_type="float32", intra_threads=args.threads
+        )
+        batches = json.loads((args.workdir / "translate_tokens.json").read_text())
+
+        def run(batch):
+            output = translator.translate_batch(batch, beam_size=4, length_penalty=1.0, max_decoding_length=128)
+            return sum(len(result.hypotheses[0]) + 1 for result in output)  # + 1: CTranslate2 omits </s>
+    else:
+        import torch
+        from transformers import GenerationConfig
+
+        if engine == "ours":
+            from vaswani_transformer import VaswaniForConditionalGeneration as Model
+        else:
+            from transformers import MarianMTModel as Model
+        model = Model.from_pretrained(args.workdir / engine).eval()
+        config = model.config
+        model.generation_config = GenerationConfig(
+            **options,
+            early_stopping=True,
+            decoder_start_token_id=config.decoder_start_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            suppress_tokens=[config.pad_token_id, config.bos_token_id],
+        )
+        batches = torch.load(args.workdir / "translate_batches.pt")
+
+        def run(batch):
+            with torch.inference_mode():
+                generated = model.generate(**batch)[:, 1:]
+            return int((generated.ne(config.pad_token_id) & generated.ne(config.eos_token_id)).sum()) + len(generated)
+
+    run(batches[0])  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        tokens = sum(run(batch) for batch in batches)
+        times.append(time.perf_counter() - start)
+    sentences = sum(len(batch) if isinstance(batch, list) else len(batch["input_ids"]) for batch in batches)
+    best = min(times)
+    return {"sentences": sentences, "tokens": tokens, "seconds": best, "sentences_per_second": sentences / best,
+            "tokens_per_second": tokens / best, "all_seconds": times}  # fmt: skip
+
+
 def child_decode_ct2(engine: str, task: str, args: argparse.Namespace) -> dict:
     """Generated tokens per second of CTranslate2's `translate_batch` in float32 or int8, best of the repeats."""
     import ctranslate2
@@ -334,6 +441,8 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if task == "train":
         result = child_train(engine, args)
+    elif task == "translate":
+        result = child_translate(engine, args)
     elif engine.startswith("ct2"):
         result = child_decode_ct2(engine, task, args)
     else:
@@ -357,6 +466,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=10, help="timed training steps (default: 10)")
     parser.add_argument("--decode-batches", type=int, default=2, help="batches of 32 test sentences (default: 2)")
     parser.add_argument("--decode-length", type=int, default=24, help="tokens generated per sentence (default: 24)")
+    parser.add_argument("--model", type=Path, default=None, help="a trained model directory: adds `translate`")
+    parser.add_argument("--translate-batches", type=int, default=8, help="batches of 32 test sentences (default: 8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats; the best counts (default: 3)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every child; the best counts (default: 1)")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks", help="where cpu.json and cpu.md go")

@@ -442,7 +442,8 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         {"length_penalty_type": "hf", "num_beams": 5, "length_penalty": 1.0},
         {"num_return_sequences": 4, "length_penalty": 2.0},  # all finished hypotheses, in order
         {"num_return_sequences": 2, "max_length_a": 0.5, "max_length_b": 2, "no_repeat_ngram_size": 2},
-        {"encoder_no_repeat_ngram_size": 3},  # per-sentence state: every sentence stays to the end
+        # Per-sentence state: every sentence stays in the batch, and a full one takes no more hypotheses.
+        {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
     ],
 )
 def test_beam_search_returns_what_transformers_beam_search_returns(

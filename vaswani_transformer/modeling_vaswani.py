@@ -1103,8 +1103,8 @@ def beam_search(
         ends = torch.isin(candidate_tokens, eos) | (length + 1 >= max_length)
 
         # A candidate among the best num_beams that ends joins its sentence's finished hypotheses,
-        # of which the best num_beams are kept.
-        just_finished = ends[:, :num_beams]
+        # of which the best num_beams are kept, until the sentence has num_beams of them.
+        just_finished = ends[:, :num_beams] & ~is_finished[active].all(dim=1, keepdim=True)
         if just_finished.any():
             generated = length + 1 - prompt_len
             new_scores = candidate_scores[:, :num_beams] / length_penalty(generated, alpha) - 1.0e9 * ~just_finished
