@@ -172,11 +172,11 @@ def markdown(report: dict) -> str:
         names = {"train": "training, tokens/s", "beam": "beam 4, generated tokens/s", "greedy": "greedy, tokens/s"}
         for task, name in names.items():
             row = results.get(task, {})
-            speed = {engine: row[engine]["tokens_per_second"] if engine in row else None for engine in ENGINES}
-            cells = [f"{speed[e]:,.0f}" if speed[e] else "–" for e in ENGINES]
+            rate = {engine: row[engine]["tokens_per_second"] if engine in row else None for engine in ENGINES}
+            cells = [f"{rate[e]:,.0f}" if rate[e] else "–" for e in ENGINES]
             lines.append(
-                f"| {name} | {' | '.join(cells)} | {ratio(speed['ours'], speed['marian'])} | "
-                f"{ratio(speed['ours'], speed['ct2-float32'])} |"
+                f"| {name} | {' | '.join(cells)} | {ratio(rate['ours'], rate['marian'])} | "
+                f"{ratio(rate['ours'], rate['ct2-float32'])} |"
             )
         for task in names:  # the peak memory of the fastest round
             row = results.get(task, {})
