@@ -17,20 +17,11 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import (
     EosTokenCriteria,
-    ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
     LogitsProcessor,
     LogitsProcessorList,
     MaxLengthCriteria,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
     StoppingCriteriaList,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
+    logits_process,
 )
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -1010,16 +1001,16 @@ def _plain_beam_search(
 
 # Processors that look at each row on its own: beam search may drop finished sentences under them.
 _ROW_WISE_PROCESSORS = (
-    ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
+    logits_process.ForcedBOSTokenLogitsProcessor,
+    logits_process.ForcedEOSTokenLogitsProcessor,
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.SequenceBiasLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
 )
 
 
