@@ -442,6 +442,9 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         {"length_penalty_type": "hf", "num_beams": 5, "length_penalty": 1.0},
         {"num_return_sequences": 4, "length_penalty": 2.0},  # all finished hypotheses, in order
         {"num_return_sequences": 2, "max_length_a": 0.5, "max_length_b": 2, "no_repeat_ngram_size": 2},
+        # Token masks, added once per step, before and after a ForcedBOS processor.
+        {"min_new_tokens": 12, "min_length": 6, "num_return_sequences": 2},
+        {"forced_bos_token_id": 5, "min_new_tokens": 3},
         # Per-sentence state: every sentence stays in the batch, and a full one takes no more hypotheses.
         {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
     ],
@@ -473,6 +476,37 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
     assert calls["search"] == 1
     assert (calls["batch_narrowed"] > 0) == ("encoder_no_repeat_ngram_size" not in options)
     assert torch.equal(ours, reference)
+
+
+def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
+    # Appends past its first capacity (32 positions) and reorders, dropping rows on the way.
+    from transformers.cache_utils import DynamicLayer
+
+    torch.manual_seed(0)
+    ours, reference = modeling_vaswani.BeamSearchCacheLayer(), DynamicLayer()
+    rows = 12
+    for step in range(40):
+        keys, values = torch.randn(rows, 2, 3 if step == 0 else 1, 4), torch.randn(rows, 2, 3 if step == 0 else 1, 4)
+        for got, want in zip(ours.update(keys, values), reference.update(keys, values), strict=True):
+            assert torch.equal(got, want)
+        beam_idx = torch.randint(0, rows, (rows - 4 if step == 20 else rows,))
+        rows = beam_idx.shape[0]
+        ours.reorder_cache(beam_idx)
+        reference.reorder_cache(beam_idx)
+        assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+    assert ours.get_seq_length() == reference.get_seq_length() == 42
+
+
+def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():
+    # Forcing a token overwrites every score, so a mask after it would change the result if it ran first.
+    from transformers.generation import logits_process as lp
+
+    min_new = lp.MinNewTokensLengthLogitsProcessor(1, 3, eos_token_id=2)
+    repetition = lp.RepetitionPenaltyLogitsProcessor(1.2)
+    forced = lp.ForcedBOSTokenLogitsProcessor(5)
+    suppress = lp.SuppressTokensLogitsProcessor([0, 1])
+    masks, others = modeling_vaswani._hoist_token_masks([repetition, min_new, forced, suppress])
+    assert list(masks) == [min_new] and list(others) == [repetition, forced, suppress]
 
 
 def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):

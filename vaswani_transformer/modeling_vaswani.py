@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.generation import (
     EosTokenCriteria,
     LogitsProcessor,
@@ -1013,6 +1013,98 @@ _ROW_WISE_PROCESSORS = (
     logits_process.SuppressTokensLogitsProcessor,
 )
 
+# Processors that forbid the same tokens in every row (a -inf where they act, the score elsewhere).
+# HF's versions each pass over all (rows, vocab) scores with torch.where, which on the CPU cost more
+# than the output projection in beam search over a small model (README, Performance); evaluated on
+# one row of zeros they give a 0 / -inf mask that is added once.
+_TOKEN_MASKS = (
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
+)
+# Processors that keep -inf at -inf and read each token's score alone: a token mask may move before them.
+_COMMUTE_WITH_MASKS = (
+    *_TOKEN_MASKS,
+    logits_process.EncoderNoRepeatNGramLogitsProcessor,
+    logits_process.EncoderRepetitionPenaltyLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.SequenceBiasLogitsProcessor,
+)
+
+
+def _hoist_token_masks(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
+    # (the token masks that can run first, the other processors in their order)
+    masks, others = LogitsProcessorList(), LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, _TOKEN_MASKS) and all(isinstance(p, _COMMUTE_WITH_MASKS) for p in others):
+            masks.append(processor)
+        else:
+            others.append(processor)
+    return masks, others
+
+
+class BeamSearchCacheLayer(DynamicLayer):
+    """One decoder layer's self-attention keys and values during beam search, in buffers reused across steps.
+
+    `DynamicLayer` concatenates each step's keys and values to the earlier ones, and beam search then
+    gathers the rows of the beams that go on: two copies of the whole cache per step, a fifth of
+    beam-search time with the base model (README, Performance). Here a step is written in place and
+    the gather writes into a second buffer, which takes over. Buffers are laid out
+    `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one
+    contiguous block, and double their capacity when full; `keys` and `values` are
+    `(batch * beams, heads, length, d_k)` views of them, as in `DynamicLayer`.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._buffers = self._spare = self._allocate(key_states, value_states, capacity=32)
+        self.is_initialized = True
+
+    @staticmethod
+    def _allocate(
+        keys: torch.Tensor, values: torch.Tensor, capacity: int, rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # keys, values: `(rows, heads, length, d)`, giving the shapes of the new buffers
+        rows = keys.shape[0] if rows is None else rows
+        return (
+            keys.new_empty(capacity, rows, keys.shape[1], keys.shape[3]),
+            values.new_empty(capacity, rows, values.shape[1], values.shape[3]),
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `(rows, heads, new, d_k)` keys and values; return all of them, `(rows, heads, length, d_k)`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        if end > self._buffers[0].shape[0]:
+            grown = self._allocate(key_states, value_states, capacity=2 * end)
+            for new, old in zip(grown, self._buffers, strict=True):
+                new[: self.length] = old[: self.length]
+            self._buffers = self._spare = grown
+        for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
+            buffer[self.length : end] = states.permute(2, 0, 1, 3)
+        self.length = end
+        self.keys, self.values = (buffer[:end].permute(1, 2, 0, 3) for buffer in self._buffers)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep rows `beam_idx` `(new_rows,)` of the cache, in that order."""
+        if not self.is_initialized or self.length == 0:
+            return
+        keys, values = self._buffers
+        if self._spare is self._buffers or self._spare[0].shape[1] != beam_idx.shape[0]:
+            self._spare = self._allocate(self.keys, self.values, keys.shape[0], rows=beam_idx.shape[0])
+        for new, old in zip(self._spare, self._buffers, strict=True):
+            torch.index_select(old[: self.length], 1, beam_idx, out=new[: self.length])
+        self._buffers, self._spare = self._spare, self._buffers
+        self.keys, self.values = (buffer[: self.length].permute(1, 2, 0, 3) for buffer in self._buffers)
+
 
 @torch.no_grad()
 def beam_search(
@@ -1058,6 +1150,7 @@ def beam_search(
     # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
     num_candidates = max(2, 1 + eos.numel()) * num_beams
     can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
+    token_masks, logits_processor = _hoist_token_masks(logits_processor)
 
     # The finished hypotheses of every sentence, best first.
     finished = input_ids.new_full((batch, num_beams, max_length), fill)
@@ -1073,6 +1166,9 @@ def beam_search(
     scores = torch.zeros(batch, num_beams, device=device)
     scores[:, 1:] = -1.0e9
     cache = model_kwargs["past_key_values"]
+    if cache.self_attention_cache.get_seq_length() == 0:
+        layers = [BeamSearchCacheLayer() for _ in range(model.config.decoder_layers)]
+        cache = EncoderDecoderCache(Cache(layers=layers), cache.cross_attention_cache)
     encoder_states = model_kwargs["encoder_outputs"].last_hidden_state
     attention_mask = model_kwargs.get("attention_mask")
 
@@ -1084,8 +1180,11 @@ def beam_search(
             past_key_values=cache,
             use_cache=True,
         ).logits[:, -1]
-        log_probs = logits_processor(sequences[:, :length], logits.float().log_softmax(dim=-1))
+        log_probs = logits.float().log_softmax(dim=-1)
         vocab_size = log_probs.shape[-1]
+        if token_masks:
+            log_probs += token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))
+        log_probs = logits_processor(sequences[:, :length], log_probs)
         candidates = (log_probs.view(len(active), num_beams, vocab_size) + scores[..., None]).view(len(active), -1)
         candidate_scores, candidate_ids = candidates.topk(num_candidates)
         sentence_rows = torch.arange(len(active), device=device)[:, None]
