@@ -230,6 +230,30 @@ def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(to
     assert torch.equal(with_cache, without_cache)
 
 
+def test_beams_sharing_one_encoder_row_get_the_logits_of_copied_rows(tokenizer, test_sentences):
+    # Beam search hands the decoder one encoder row per sentence for all its beams (padded sources).
+    model = tiny_model(tokenizer, seed=3)
+    inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        encoded = model.get_encoder()(**inputs)
+        decoder_input_ids = torch.randint(4, len(tokenizer), (3 * 2, 5))
+        shared = model(
+            encoder_outputs=encoded, attention_mask=inputs["attention_mask"], decoder_input_ids=decoder_input_ids
+        ).logits
+        copied = model(
+            encoder_outputs=(encoded.last_hidden_state.repeat_interleave(2, dim=0),),
+            attention_mask=inputs["attention_mask"].repeat_interleave(2, dim=0),
+            decoder_input_ids=decoder_input_ids,
+        ).logits
+        assert torch.allclose(shared, copied, atol=1e-5)
+        with pytest.raises(ValueError, match="rows"):
+            model(
+                encoder_outputs=encoded,
+                attention_mask=inputs["attention_mask"],
+                decoder_input_ids=decoder_input_ids[:4],
+            )
+
+
 def test_config_rejects_impossible_values_naming_the_field():
     with pytest.raises(ValueError, match="d_model.*num_attention_heads"):
         VaswaniConfig(d_model=100, num_attention_heads=8)

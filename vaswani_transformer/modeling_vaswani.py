@@ -169,6 +169,7 @@ class MultiHeadAttention(nn.Module):
         Args:
             hidden_states: queries, `(batch, target_len, d_model)`.
             key_value_states: encoder output `(batch, source_len, d_model)` for cross-attention, else None.
+                It may have batch / beams rows: each then serves `beams` consecutive rows of queries.
             attention_mask: mask from `transformers.masking_utils`, or None.
             past_key_values: an `EncoderDecoderCache` during incremental decoding. Self-attention
                 appends this step's keys and values; cross-attention computes the encoder's once
@@ -178,6 +179,11 @@ class MultiHeadAttention(nn.Module):
             The output `(batch, target_len, d_model)` and, with eager attention, the weights
             `(batch, heads, target_len, key_len)` (None otherwise).
         """
+        rows = hidden_states.shape[0]
+        if self.is_cross_attention and key_value_states.shape[0] != rows:
+            # Beam search gives each sentence's encoder output once for all its beams (`beam_search`): the
+            # beams' queries attend to it as one longer query sequence, its keys and values computed once.
+            hidden_states = hidden_states.reshape(key_value_states.shape[0], -1, hidden_states.shape[-1])
         query = self._split_heads(self.q_proj(hidden_states))
 
         cache = None
@@ -214,7 +220,7 @@ class MultiHeadAttention(nn.Module):
             **kwargs,
         )
         output = self.out_proj(output.reshape(*hidden_states.shape[:-1], -1))
-        return output, weights
+        return output.reshape(rows, -1, output.shape[-1]), weights
 
 
 # §3.3 Position-wise feed-forward network ---------------------------------------------------------
@@ -474,15 +480,20 @@ class VaswaniDecoder(VaswaniPreTrainedModel):
         Args:
             input_ids: `(batch, target_len)` decoder input ids: the target shifted right behind
                 `decoder_start_token_id`, or only the new tokens when decoding with a cache.
-            encoder_hidden_states: `(batch, source_len, d_model)`.
+            encoder_hidden_states: `(batch, source_len, d_model)`, or `(batch / beams, source_len, d_model)`:
+                one row for `beams` consecutive decoder rows, as beam search gives it.
             attention_mask: `(batch, past_len + target_len)` decoder padding mask, or None.
-            encoder_attention_mask: `(batch, source_len)` source padding mask, or None.
+            encoder_attention_mask: `(batch, source_len)` source padding mask (`batch / beams` rows with
+                the encoder output), or None.
             past_key_values: the cache of earlier steps; created when `use_cache` and None.
             use_cache: return a cache for incremental decoding.
 
         Returns:
             `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state`
             `(batch, target_len, d_model)` and `past_key_values`.
+
+        Raises:
+            ValueError: the encoder output's rows do not divide the decoder input's.
         """
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
@@ -494,9 +505,16 @@ class VaswaniDecoder(VaswaniPreTrainedModel):
             attention_mask=attention_mask,
             past_key_values=past_key_values.self_attention_cache if past_key_values is not None else None,
         )
+        if hidden_states.shape[0] % encoder_hidden_states.shape[0]:
+            raise ValueError(
+                f"The decoder input has {hidden_states.shape[0]} rows and the encoder output "
+                f"{encoder_hidden_states.shape[0]}: give one encoder row per decoder row, or one per group of "
+                "consecutive decoder rows (the beams of a sentence)."
+            )
         encoder_attention_mask = create_bidirectional_mask(
             config=self.config,
-            inputs_embeds=hidden_states,
+            # Queries as cross-attention sees them: the rows that share an encoder row, as one sequence.
+            inputs_embeds=hidden_states.reshape(encoder_hidden_states.shape[0], -1, hidden_states.shape[-1]),
             attention_mask=encoder_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
         )
@@ -995,6 +1013,8 @@ def _plain_beam_search(
         and not synced_gpus
         and all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
         and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
+        and model_kwargs["past_key_values"].self_attention_cache.get_seq_length() == 0
+        and model_kwargs["past_key_values"].cross_attention_cache.get_seq_length() == 0
         and "encoder_outputs" in model_kwargs
     )
 
@@ -1118,12 +1138,15 @@ def beam_search(
     """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
 
     It chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
-    with less work per step: a sentence with num_beams finished hypotheses leaves the batch (its
-    rows of the cache, the encoder output and the mask go), a candidate's sequence is built only
-    when it ends, and finished hypotheses are merged only on steps where some end (README,
-    Performance). A hypothesis Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y|
-    counting the generated tokens with `</s>`. Sentences stay in the batch, as in HF's loop, when a
-    logits processor keeps state per sentence that this function cannot narrow.
+    with less work per step (README, Performance): the beams of a sentence share one copy of its
+    encoder output and of the cross-attention keys and values; a sentence with num_beams finished
+    hypotheses leaves the batch (its rows of the caches, the encoder output and the mask go); the
+    self-attention cache is kept in `BeamSearchCacheLayer`s; token masks among the logits processors
+    are applied as one addition; a candidate's sequence is built only when it ends, and finished
+    hypotheses are merged only on steps where some end. A hypothesis Y that ends scores log P(Y|X) /
+    length_penalty(|Y|, alpha), |Y| counting the generated tokens with `</s>`. Sentences stay in the
+    batch, as in HF's loop, when a logits processor keeps state per sentence that this function
+    cannot narrow.
 
     Args:
         model: gives the forward pass and the cache reordering.
@@ -1133,7 +1156,8 @@ def beam_search(
             `num_return_sequences` and the `</s>` and `<pad>` ids.
         length_penalty: (|Y|, alpha) -> divisor, e.g. `gnmt_length_penalty`.
         **model_kwargs: `encoder_outputs` and `attention_mask` expanded to the beams, and
-            `past_key_values`, an empty `EncoderDecoderCache`, as `generate` prepares them.
+            `past_key_values`, an empty `EncoderDecoderCache` whose cross-attention cache is used, as
+            `generate` prepares them.
 
     Returns:
         `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first, padded
@@ -1165,12 +1189,13 @@ def beam_search(
     # All beams of a sentence start alike: only the first may expand at the first step.
     scores = torch.zeros(batch, num_beams, device=device)
     scores[:, 1:] = -1.0e9
-    cache = model_kwargs["past_key_values"]
-    if cache.self_attention_cache.get_seq_length() == 0:
-        layers = [BeamSearchCacheLayer() for _ in range(model.config.decoder_layers)]
-        cache = EncoderDecoderCache(Cache(layers=layers), cache.cross_attention_cache)
-    encoder_states = model_kwargs["encoder_outputs"].last_hidden_state
+    layers = [BeamSearchCacheLayer() for _ in range(model.config.decoder_layers)]
+    cache = EncoderDecoderCache(Cache(layers=layers), model_kwargs["past_key_values"].cross_attention_cache)
+    # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
+    # so the decoder gets one row per sentence, and its keys and values are computed once.
+    encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[::num_beams]
     attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = attention_mask[::num_beams] if attention_mask is not None else None
 
     for length in range(prompt_len, max_length):
         logits = model(
@@ -1217,11 +1242,10 @@ def beam_search(
         tokens = candidate_tokens.gather(1, running)
         if can_drop and bool(done.any()):
             kept = (~done).nonzero().squeeze(1)
-            kept_rows = (kept[:, None] * num_beams + torch.arange(num_beams, device=device)).view(-1)
             active, scores, beam_rows, tokens = active[kept], scores[kept], beam_rows[kept], tokens[kept]
-            encoder_states = encoder_states[kept_rows]
-            attention_mask = attention_mask[kept_rows] if attention_mask is not None else None
-            cache.cross_attention_cache.reorder_cache(kept_rows)
+            encoder_states = encoder_states[kept]
+            attention_mask = attention_mask[kept] if attention_mask is not None else None
+            cache.cross_attention_cache.reorder_cache(kept)
             logits_processor = LogitsProcessorList(
                 p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in logits_processor
             )
