@@ -6,7 +6,7 @@ zero `final_logits_bias`, ReLU, sqrt(d_model) embedding scale, the sinusoid perm
 CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fresh Python process
 (this script with `--child`), which reports its own peak resident memory (VmHWM):
 
-- training: non-padding source + target tokens per second of forward + backward + Adam step, on
+- training: non-padding source + target tokens per second of forward + backward + (fused) Adam step, on
   the same Multi30k batches (the project's `TokenBatchSampler`, `--max-tokens` per side) for both
   PyTorch engines. Both compute the same loss: ours its fused label-smoothed cross entropy,
   Marian `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
@@ -295,7 +295,8 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
             return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
 
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     batches = torch.load(args.workdir.parent / "train_batches.pt")
     tokens, elapsed = 0, 0.0
     for step, batch in enumerate(batches):

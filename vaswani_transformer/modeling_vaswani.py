@@ -1210,7 +1210,7 @@ def beam_search(
         if token_masks:
             log_probs += token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))
         log_probs = logits_processor(sequences[:, :length], log_probs)
-        candidates = (log_probs.view(len(active), num_beams, vocab_size) + scores[..., None]).view(len(active), -1)
+        candidates = log_probs.view(len(active), num_beams, vocab_size).add_(scores[..., None]).view(len(active), -1)
         candidate_scores, candidate_ids = candidates.topk(num_candidates)
         sentence_rows = torch.arange(len(active), device=device)[:, None]
         candidate_rows = candidate_ids // vocab_size + sentence_rows * num_beams

@@ -344,7 +344,13 @@ def train(config: TrainingConfig) -> Path:
         bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
         bleu_sources, bleu_references = list(bleu_split[config.source_lang]), list(bleu_split[config.target_lang])
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=1.0, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
+        model.parameters(),
+        lr=1.0,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        # One kernel for all parameters instead of a loop over them: about 7% of a CPU step (README,
+        # Performance). Other devices keep PyTorch's default implementation.
+        fused=accelerator.device.type in ("cpu", "cuda") or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, inverse_square_root_schedule(model_config.d_model, config.warmup_steps, config.learning_rate_scale)
