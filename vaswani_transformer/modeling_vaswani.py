@@ -1075,7 +1075,8 @@ class BeamSearchCacheLayer(DynamicLayer):
     the gather writes into a second buffer, which takes over. Buffers are laid out
     `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one
     contiguous block, and double their capacity when full; `keys` and `values` are
-    `(batch * beams, heads, length, d_k)` views of them, as in `DynamicLayer`.
+    `(batch * beams, heads, length, d_k)` views of them, as in `DynamicLayer`. Made for `beam_search`,
+    which only appends and reorders: cropping and the other batch edits of `DynamicLayer` are not supported.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
