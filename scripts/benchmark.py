@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,13 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "–"
 
 
+def median_ratio(speeds: dict[str, list[float]], other: str) -> str:
+    """Median over rounds of ours / `other` within each round, as "1.23x", or "–" when `other` did not run."""
+    if other not in speeds or "ours" not in speeds:
+        return "–"
+    return f"{statistics.median(a / b for a, b in zip(speeds['ours'], speeds[other], strict=True)):.2f}x"
+
+
 def speed(task: str, result: dict) -> float:
     """What a task measures per second: sentences for `translate`, tokens otherwise."""
     return result["sentences_per_second" if task == "translate" else "tokens_per_second"]
@@ -199,6 +207,18 @@ def markdown(report: dict) -> str:
             f"| generated tokens | {tokens} | | |",
             "",
         ]
+    if report["rounds"] > 1:
+        lines += [
+            f"Median over the {report['rounds']} rounds of each round's ratio (engines of one round run back to back):",
+            "",
+            "| Measure | Ours / Marian | Ours / CT2 float32 |",
+            "|---|---:|---:|",
+        ]
+        for group, tasks in report["round_speeds"].items():
+            for task, speeds in tasks.items():
+                cells = [median_ratio(speeds, other) for other in ("marian", "ct2-float32")]
+                lines.append(f"| {group}, {task} | {' | '.join(cells)} |")
+        lines.append("")
     m = report["machine"]
     lines.append(
         f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores; torch {m['torch']}, transformers "
@@ -218,8 +238,9 @@ def parent(args: argparse.Namespace) -> None:
         report = {"command": " ".join(["python", "scripts/benchmark.py", *sys.argv[1:]]), **prepare(args, workdir)}
         groups = [*args.presets, *([TRAINED] if args.model else [])]
         report["results"] = {group: {} for group in groups}
+        report["round_speeds"] = {group: {} for group in groups}
         # Rounds interleave the engines, so that a burst of load from other processes hits them all
-        # alike; the fastest round of each engine counts.
+        # alike; the fastest round of each engine counts, and every round's speed is kept.
         for _ in range(args.rounds):
             for group in groups:
                 results = report["results"][group]
@@ -230,6 +251,8 @@ def parent(args: argparse.Namespace) -> None:
                         result = run_child(args, workdir, group, engine, task)
                         print(f"{group:7} {task:9} {engine:12} {speed(task, result):10,.1f} per s "
                               f"{result['peak_rss_mib']:8,.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
+                        report["round_speeds"][group].setdefault(task, {}).setdefault(engine, [])
+                        report["round_speeds"][group][task][engine].append(speed(task, result))
                         best = results.setdefault(task, {}).get(engine)
                         if best is None or speed(task, result) > speed(task, best):
                             results[task][engine] = result

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.cache_utils import DynamicLayer
 
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, modeling_vaswani
 from vaswani_transformer.modeling_vaswani import (
@@ -504,8 +505,6 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
 
 def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
     # Appends past its first capacity (32 positions) and reorders, dropping rows on the way.
-    from transformers.cache_utils import DynamicLayer
-
     torch.manual_seed(0)
     ours, reference = modeling_vaswani.BeamSearchCacheLayer(), DynamicLayer()
     rows = 12
@@ -519,6 +518,8 @@ def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
         reference.reorder_cache(beam_idx)
         assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
     assert ours.get_seq_length() == reference.get_seq_length() == 42
+    with pytest.raises(NotImplementedError, match="DynamicCache"):
+        ours.crop(-1)
 
 
 def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():

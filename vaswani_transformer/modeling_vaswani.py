@@ -177,7 +177,8 @@ class MultiHeadAttention(nn.Module):
 
         Returns:
             The output `(batch, target_len, d_model)` and, with eager attention, the weights
-            `(batch, heads, target_len, key_len)` (None otherwise).
+            `(batch, heads, target_len, key_len)` (None otherwise); with shared encoder rows,
+            `(batch / beams, heads, beams * target_len, key_len)`.
         """
         rows = hidden_states.shape[0]
         if self.is_cross_attention and key_value_states.shape[0] != rows:
@@ -205,8 +206,9 @@ class MultiHeadAttention(nn.Module):
 
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and query.shape[2] == 1 and query.device.type == "cpu":
-            # One query per sentence, as in every step of incremental decoding: on the CPU, PyTorch's
-            # fused kernel costs about twice the two small matrix products of Eq. 1 (README, Performance).
+            # One query per sentence, as in self-attention at every step of incremental decoding: on the
+            # CPU, PyTorch's fused kernel costs about twice the two small matrix products of Eq. 1 (README,
+            # Performance). Cross-attention in beam search has num_beams queries per sentence and keeps it.
             implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         output, weights = attention(
@@ -578,11 +580,15 @@ class VaswaniModel(VaswaniPreTrainedModel):
             attention_mask: `(batch, source_len)` source padding mask (1 = token).
             decoder_input_ids: `(batch, target_len)` decoder inputs.
             decoder_attention_mask: `(batch, target_len)` target padding mask, or None.
-            encoder_outputs: reuse an earlier encoding of the source.
+            encoder_outputs: reuse an earlier encoding of the source. With `attention_mask` it may have
+                one row per group of consecutive decoder rows (`batch / beams`, as `beam_search` gives it).
             past_key_values, use_cache: see `VaswaniDecoder.forward`.
 
         Returns:
             `Seq2SeqModelOutput` with the decoder's `last_hidden_state` `(batch, target_len, d_model)`.
+
+        Raises:
+            ValueError: the rows of `encoder_outputs` do not divide those of `decoder_input_ids`.
         """
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -741,7 +747,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             `Seq2SeqLMOutput` with `logits` `(batch, target_len, vocab_size)` and `loss` (nats per token).
 
         Raises:
-            ValueError: neither `decoder_input_ids` nor `labels` is given.
+            ValueError: neither `decoder_input_ids` nor `labels` is given, or the rows of
+                `encoder_outputs` do not divide those of the decoder input.
         """
         if labels is not None:
             use_cache = False
@@ -1013,6 +1020,10 @@ def _plain_beam_search(
         and not synced_gpus
         and all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
         and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
+        # `beam_search` replaces the self-attention cache and fills the cross-attention one: both must be
+        # empty, and the first the default dynamic cache (not a static or offloaded one the user asked for).
+        and type(model_kwargs["past_key_values"].self_attention_cache) is DynamicCache
+        and not model_kwargs["past_key_values"].self_attention_cache.offloading
         and model_kwargs["past_key_values"].self_attention_cache.get_seq_length() == 0
         and model_kwargs["past_key_values"].cross_attention_cache.get_seq_length() == 0
         and "encoder_outputs" in model_kwargs
@@ -1034,9 +1045,10 @@ _ROW_WISE_PROCESSORS = (
 )
 
 # Processors that forbid the same tokens in every row (a -inf where they act, the score elsewhere).
-# HF's versions each pass over all (rows, vocab) scores with torch.where, which on the CPU cost more
-# than the output projection in beam search over a small model (README, Performance); evaluated on
-# one row of zeros they give a 0 / -inf mask that is added once.
+# HF's versions each pass over all (rows, vocab) scores with torch.where: with min_length,
+# min_new_tokens and suppress_tokens, three times the output projection in beam search over a small
+# model on the CPU (README, Performance; the paper's configuration has only suppress_tokens).
+# Evaluated on one row of zeros they give a 0 / -inf mask that is added once.
 _TOKEN_MASKS = (
     logits_process.MinLengthLogitsProcessor,
     logits_process.MinNewTokensLengthLogitsProcessor,
@@ -1074,15 +1086,18 @@ class BeamSearchCacheLayer(DynamicLayer):
     beam-search time with the base model (README, Performance). Here a step is written in place and
     the gather writes into a second buffer, which takes over. Buffers are laid out
     `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one
-    contiguous block, and double their capacity when full; `keys` and `values` are
+    contiguous block, and grow to twice the length needed when full; `keys` and `values` are
     `(batch * beams, heads, length, d_k)` views of them, as in `DynamicLayer`. Made for `beam_search`,
     which only appends and reorders: cropping and the other batch edits of `DynamicLayer` are not supported.
     """
+
+    is_croppable = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
         self._buffers = self._spare = self._allocate(key_states, value_states, capacity=32)
+        self.keys, self.values = (buffer[:0].permute(1, 2, 0, 3) for buffer in self._buffers)
         self.is_initialized = True
 
     @staticmethod
@@ -1118,13 +1133,22 @@ class BeamSearchCacheLayer(DynamicLayer):
         """Keep rows `beam_idx` `(new_rows,)` of the cache, in that order."""
         if not self.is_initialized or self.length == 0:
             return
-        keys, values = self._buffers
+        beam_idx = beam_idx.to(self.device)
+        capacity = self._buffers[0].shape[0]
         if self._spare is self._buffers or self._spare[0].shape[1] != beam_idx.shape[0]:
-            self._spare = self._allocate(self.keys, self.values, keys.shape[0], rows=beam_idx.shape[0])
+            self._spare = self._allocate(self.keys, self.values, capacity, rows=beam_idx.shape[0])
         for new, old in zip(self._spare, self._buffers, strict=True):
             torch.index_select(old[: self.length], 1, beam_idx, out=new[: self.length])
         self._buffers, self._spare = self._spare, self._buffers
         self.keys, self.values = (buffer[: self.length].permute(1, 2, 0, 3) for buffer in self._buffers)
+
+    def _unsupported(self, *args, **kwargs) -> None:
+        raise NotImplementedError(
+            "BeamSearchCacheLayer only appends and reorders (it serves `beam_search`); use a DynamicCache to crop "
+            "or edit the batch of a cache."
+        )
+
+    crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
 @torch.no_grad()
