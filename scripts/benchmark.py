@@ -156,7 +156,7 @@ def median_ratio(speeds: dict[str, list[float]], other: str) -> str:
     """Median over rounds of ours / `other` within each round, as "1.23x", or "–" when `other` did not run."""
     if other not in speeds or "ours" not in speeds:
         return "–"
-    return f"{statistics.median(a / b for a, b in zip(speeds['ours'], speeds[other], strict=True)):.2f}x"
+    return ratio(statistics.median(a / b for a, b in zip(speeds["ours"], speeds[other], strict=True)), 1.0)
 
 
 def speed(task: str, result: dict) -> float:

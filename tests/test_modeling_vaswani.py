@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import logits_process
 
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, modeling_vaswani
 from vaswani_transformer.modeling_vaswani import (
@@ -524,8 +525,7 @@ def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
 
 def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():
     # Forcing a token overwrites every score, so a mask after it would change the result if it ran first.
-    from transformers.generation import logits_process as lp
-
+    lp = logits_process
     min_new = lp.MinNewTokensLengthLogitsProcessor(1, 3, eos_token_id=2)
     repetition = lp.RepetitionPenaltyLogitsProcessor(1.2)
     forced = lp.ForcedBOSTokenLogitsProcessor(5)

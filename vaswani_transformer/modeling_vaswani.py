@@ -181,7 +181,7 @@ class MultiHeadAttention(nn.Module):
             `(batch / beams, heads, beams * target_len, key_len)`.
         """
         rows = hidden_states.shape[0]
-        if self.is_cross_attention and key_value_states.shape[0] != rows:
+        if self.is_cross_attention and key_value_states is not None and key_value_states.shape[0] != rows:
             # Beam search gives each sentence's encoder output once for all its beams (`beam_search`): the
             # beams' queries attend to it as one longer query sequence, its keys and values computed once.
             hidden_states = hidden_states.reshape(key_value_states.shape[0], -1, hidden_states.shape[-1])
@@ -1079,16 +1079,16 @@ def _hoist_token_masks(processors: LogitsProcessorList) -> tuple[LogitsProcessor
 
 
 class BeamSearchCacheLayer(DynamicLayer):
-    """One decoder layer's self-attention keys and values during beam search, in buffers reused across steps.
+    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
 
-    `DynamicLayer` concatenates each step's keys and values to the earlier ones, and beam search then
-    gathers the rows of the beams that go on: two copies of the whole cache per step, a fifth of
-    beam-search time with the base model (README, Performance). Here a step is written in place and
-    the gather writes into a second buffer, which takes over. Buffers are laid out
-    `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one
-    contiguous block, and grow to twice the length needed when full; `keys` and `values` are
-    `(batch * beams, heads, length, d_k)` views of them, as in `DynamicLayer`. Made for `beam_search`,
-    which only appends and reorders: cropping and the other batch edits of `DynamicLayer` are not supported.
+    The buffers are reused across steps. `DynamicLayer` concatenates each step's keys and values to the
+    earlier ones, and beam search then gathers the rows of the beams that go on: two copies of the whole
+    cache per step, a fifth of beam-search time with the base model (README, Performance). Here a step
+    is written in place and the gather writes into a second buffer, which takes over. Buffers are laid
+    out `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one contiguous
+    block, and grow to twice the length needed when full; `keys` and `values` are `(batch * beams,
+    heads, length, d_k)` views of them, as in `DynamicLayer`. Made for `beam_search`, which only appends
+    and reorders: cropping and the other batch edits of `DynamicLayer` are not supported.
     """
 
     is_croppable = False
