@@ -523,6 +523,26 @@ def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
         ours.crop(-1)
 
 
+def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):
+    # Beam candidates as beam search ranks them: a trained model's next-token log-probabilities for
+    # 8 sentences taken as 2 x 4 beams, with suppressed tokens at -inf, cut to whole chunks of 32, to
+    # a few chunks, and to a length that 32 does not divide (which goes to torch.topk whole).
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(list(test_sentences[0]), padding=True, return_tensors="pt")
+    start = torch.full((8, 1), model.config.decoder_start_token_id)
+    with torch.no_grad():
+        log_probs = model(**inputs, decoder_input_ids=start).logits[:, -1].log_softmax(-1)
+    log_probs[:, [tokenizer.pad_token_id, tokenizer.bos_token_id]] = -math.inf
+    candidates = log_probs.view(2, -1)
+    whole_chunks = candidates.shape[1] // 32 * 32
+    for scores in (candidates[:, :whole_chunks], candidates[:, : 9 * 32], candidates[:, : whole_chunks - 7]):
+        for k in (1, 8):
+            values, indices = modeling_vaswani.top_k(scores, k)
+            expected = scores.topk(k)
+            assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+
+
 def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():
     # Forcing a token overwrites every score, so a mask after it would change the result if it ran first.
     lp = logits_process
