@@ -23,8 +23,12 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
     python scripts/benchmark.py --presets small base --threads 2 --output-dir benchmarks \
         [--model outputs/multi30k-en-de]
 
-writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. Multi30k is read from `--data-dir`
-(default: ../shared/data/multi30k beside the repository); nothing from it is written to the repository.
+writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. With `--device cuda --dtype bfloat16` (or float16)
+it measures on the GPU instead and writes `benchmarks/cuda-bfloat16.{json,md}`: training in mixed
+precision (autocast, and a gradient scaler for float16, as `train --mixed-precision` runs it),
+decoding with the weights in that dtype, CTranslate2 with that compute type (int8: int8_<dtype>).
+Multi30k is read from `--data-dir` (default: ../shared/data/multi30k beside the repository); nothing
+from it is written to the repository.
 """
 
 import argparse
@@ -40,12 +44,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = {"ours": "Ours", "marian": "HF Marian", "ct2-float32": "CT2 float32", "ct2-int8": "CT2 int8"}
+ENGINES = {"ours": "Ours", "marian": "HF Marian", "ct2": "CT2", "ct2-int8": "CT2 int8"}  # "ct2": at --dtype
 TASKS = {
     "train": ("ours", "marian"),
     "beam": tuple(ENGINES),
     "greedy": tuple(ENGINES),
-    "translate": ("ours", "marian", "ct2-float32"),
+    "translate": ("ours", "marian", "ct2"),
 }
 TRAINED = "trained"  # the --model directory's engines, beside the presets'
 
@@ -123,6 +127,7 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
     command = [sys.executable, __file__, "--child", engine, task, "--workdir", str(workdir / preset)]
     command += ["--threads", str(args.threads), "--decode-length", str(args.decode_length)]
     command += ["--train-warmup", str(args.train_warmup), "--repeats", str(args.repeats)]
+    command += ["--device", args.device, "--dtype", args.dtype]
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
     if done.returncode != 0:
@@ -130,8 +135,8 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    """CPU model, core count and library versions, for the report."""
+def machine(device: str) -> dict:
+    """CPU model, core count, the GPU on `device` "cuda" (else None) and library versions, for the report."""
     import ctranslate2
     import torch
     import transformers
@@ -140,6 +145,7 @@ def machine() -> dict:
     return {
         "cpu": cpu or platform.processor(),
         "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -167,6 +173,7 @@ def speed(task: str, result: dict) -> float:
 def markdown(report: dict) -> str:
     """The results as one Markdown table per preset (throughput, peak memory, ratios), then the trained model's."""
     lines = []
+    ct2 = f"CT2 {report['dtype']}"
     for preset, results in report["results"].items():
         if preset == TRAINED:
             continue
@@ -174,7 +181,7 @@ def markdown(report: dict) -> str:
             f"**{preset}** ({report['presets'][preset]['parameters'] / 1e6:.1f}M parameters, "
             f"vocabulary {report['vocab_size']})",
             "",
-            "| Measure | Ours | HF Marian | CT2 float32 | CT2 int8 | Ours / Marian | Ours / CT2 float32 |",
+            f"| Measure | Ours | HF Marian | {ct2} | CT2 int8 | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         names = {"train": "training, tokens/s", "beam": "beam 4, generated tokens/s", "greedy": "greedy, tokens/s"}
@@ -184,12 +191,17 @@ def markdown(report: dict) -> str:
             cells = [f"{rate[e]:,.0f}" if rate[e] else "–" for e in ENGINES]
             lines.append(
                 f"| {name} | {' | '.join(cells)} | {ratio(rate['ours'], rate['marian'])} | "
-                f"{ratio(rate['ours'], rate['ct2-float32'])} |"
+                f"{ratio(rate['ours'], rate['ct2'])} |"
             )
-        for task in names:  # the peak memory of the fastest round
+        # The peak memory of the fastest round; on a GPU also PyTorch's peak allocation there.
+        for task in names:
             row = results.get(task, {})
             cells = [f"{row[e]['peak_rss_mib']:,.0f}" if e in row else "–" for e in ENGINES]
             lines.append(f"| peak memory, {task}, MiB | {' | '.join(cells)} | | |")
+            if report["device"] == "cuda":
+                gpu = {e: row.get(e, {}).get("peak_gpu_mib") for e in ENGINES}  # CTranslate2 does not report it
+                cells = [f"{gpu[e]:,.0f}" if gpu[e] else "–" for e in ENGINES]
+                lines.append(f"| peak GPU memory (PyTorch), {task}, MiB | {' | '.join(cells)} | | |")
         lines.append("")
     if TRAINED in report["results"]:
         row = report["results"][TRAINED].get("translate", {})
@@ -200,10 +212,10 @@ def markdown(report: dict) -> str:
             f"**trained model** ({report['translate_model']}): beam 4 on {report['translate_sentences']} Multi30k "
             "test sentences, natural lengths",
             "",
-            "| Measure | Ours | HF Marian | CT2 float32 | Ours / Marian | Ours / CT2 float32 |",
+            f"| Measure | Ours | HF Marian | {ct2} | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|---:|---:|---:|",
             f"| translation, sentences/s | {rates} | {ratio(rate['ours'], rate['marian'])} | "
-            f"{ratio(rate['ours'], rate['ct2-float32'])} |",
+            f"{ratio(rate['ours'], rate['ct2'])} |",
             f"| generated tokens | {tokens} | | |",
             "",
         ]
@@ -211,27 +223,32 @@ def markdown(report: dict) -> str:
         lines += [
             f"Median over the {report['rounds']} rounds of each round's ratio (engines of one round run back to back):",
             "",
-            "| Measure | Ours / Marian | Ours / CT2 float32 |",
+            f"| Measure | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|",
         ]
         for group, tasks in report["round_speeds"].items():
             for task, speeds in tasks.items():
-                cells = [median_ratio(speeds, other) for other in ("marian", "ct2-float32")]
+                cells = [median_ratio(speeds, other) for other in ("marian", "ct2")]
                 lines.append(f"| {group}, {task} | {' | '.join(cells)} |")
         lines.append("")
     m = report["machine"]
+    where = (
+        f"{m['gpu']}, {report['dtype']} (training: mixed precision)"
+        if report["device"] == "cuda"
+        else f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores"
+    )
     lines.append(
-        f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores; torch {m['torch']}, transformers "
+        f"{where}; torch {m['torch']}, transformers "
         f"{m['transformers']}, ctranslate2 {m['ctranslate2']}. Load average before / after: "
         f"{report['load_before']} / {report['load_after']}. Decoding: {report['decode_sentences']} Multi30k test "
         f"sentences in batches of 32, {report['decode_length']} tokens each; training: "
-        f"{report['train_tokens_per_step']:,.0f} real tokens per step. No GPU on this machine: no GPU rows."
+        f"{report['train_tokens_per_step']:,.0f} real tokens per step."
     )
     return "\n".join(lines) + "\n"
 
 
 def parent(args: argparse.Namespace) -> None:
-    """Prepare models and data in a temporary folder, run every child, write cpu.json and cpu.md."""
+    """Prepare models and data in a temporary folder, run every child, write the JSON and Markdown reports."""
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="vaswani-benchmark-") as tmp:
         workdir = Path(tmp)
@@ -261,7 +278,9 @@ def parent(args: argparse.Namespace) -> None:
                     if task in ("beam", "greedy") and len(generated) > 1:
                         raise RuntimeError(f"{task} decoding gave different numbers of tokens per engine: {generated}")
     report.update(
-        machine=machine(),
+        machine=machine(args.device),
+        device=args.device,
+        dtype=args.dtype,
         threads=args.threads,
         load_before=load_before,
         load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -271,9 +290,10 @@ def parent(args: argparse.Namespace) -> None:
         translate_model=str(args.model) if args.model else None,
     )
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "cpu" if args.device == "cpu" else f"cuda-{args.dtype}"
+    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (args.output_dir / "cpu.md").write_text(table)
+    (args.output_dir / f"{name}.md").write_text(table)
     print(table)
 
 
@@ -287,6 +307,29 @@ def peak_rss_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024  # KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def on_device(batch: dict, args: argparse.Namespace) -> dict:
+    """The batch's tensors on `--device`."""
+    return {name: tensor.to(args.device) for name, tensor in batch.items()}
+
+
+def synchronize(args: argparse.Namespace) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work."""
+    import torch
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def ct2_translator(engine: str, directory: Path, args: argparse.Namespace):
+    """CTranslate2 on `--device`: "ct2" computes in `--dtype`, "ct2-int8" in int8 (int8_<dtype> on a GPU)."""
+    import ctranslate2
+
+    compute_type = args.dtype if engine == "ct2" else "int8" if args.dtype == "float32" else f"int8_{args.dtype}"
+    return ctranslate2.Translator(
+        str(directory), device=args.device, compute_type=compute_type, intra_threads=args.threads
+    )
 
 
 def child_train(engine: str, args: argparse.Namespace) -> dict:
@@ -317,17 +360,24 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
             logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
             return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
 
-    model.train()
+    model.to(args.device).train()
     # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    batches = torch.load(args.workdir.parent / "train_batches.pt")
+    # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.
+    autocast = torch.autocast(args.device, dtype=getattr(torch, args.dtype), enabled=args.dtype != "float32")
+    scaler = torch.amp.GradScaler(args.device, enabled=args.dtype == "float16")
+    batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "train_batches.pt")]
     tokens, elapsed = 0, 0.0
     for step, batch in enumerate(batches):
+        synchronize(args)
         start = time.perf_counter()
-        loss = loss_of(batch)
-        loss.backward()
-        optimizer.step()
+        with autocast:
+            loss = loss_of(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(args)
         if step >= args.train_warmup:
             elapsed += time.perf_counter() - start
             tokens += int(batch["attention_mask"].sum() + batch["labels"].ne(-100).sum())
@@ -342,11 +392,12 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
     if engine == "ours":
         from vaswani_transformer import VaswaniForConditionalGeneration
 
-        model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours").eval()
+        model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours")
     else:
         from transformers import MarianMTModel
 
-        model = MarianMTModel.from_pretrained(args.workdir / "marian").eval()
+        model = MarianMTModel.from_pretrained(args.workdir / "marian")
+    model.to(args.device, getattr(torch, args.dtype)).eval()
     config = model.config
     # One decoding configuration for both: same search, same processors, exactly decode_length tokens.
     model.generation_config = GenerationConfig(
@@ -362,13 +413,15 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
         pad_token_id=config.pad_token_id,
         suppress_tokens=[config.pad_token_id, config.bos_token_id],
     )
-    batches = torch.load(args.workdir.parent / "decode_batches.pt")
+    batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "decode_batches.pt")]
     with torch.inference_mode():
         model.generate(**batches[0])  # warm-up: first-call allocations and lazy initialisation
         times, tokens = [], 0
         for _ in range(args.repeats):
+            synchronize(args)
             start = time.perf_counter()
             outputs = [model.generate(**batch) for batch in batches]
+            synchronize(args)
             times.append(time.perf_counter() - start)
     for output in outputs:
         generated = output[:, 1:]
@@ -383,11 +436,7 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
     """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
     if engine.startswith("ct2"):
-        import ctranslate2
-
-        translator = ctranslate2.Translator(
-            str(args.workdir / "ct2"), device="cpu", compute_type="float32", intra_threads=args.threads
-        )
+        translator = ct2_translator(engine, args.workdir / "ct2", args)
         batches = json.loads((args.workdir / "translate_tokens.json").read_text())
 
         def run(batch):
@@ -401,7 +450,7 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
             from vaswani_transformer import VaswaniForConditionalGeneration as Model
         else:
             from transformers import MarianMTModel as Model
-        model = Model.from_pretrained(args.workdir / engine).eval()
+        model = Model.from_pretrained(args.workdir / engine).to(args.device, getattr(torch, args.dtype)).eval()
         config = model.config
         model.generation_config = GenerationConfig(
             **options,
@@ -411,7 +460,7 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
             pad_token_id=config.pad_token_id,
             suppress_tokens=[config.pad_token_id, config.bos_token_id],
         )
-        batches = torch.load(args.workdir / "translate_batches.pt")
+        batches = [on_device(batch, args) for batch in torch.load(args.workdir / "translate_batches.pt")]
 
         def run(batch):
             with torch.inference_mode():
@@ -422,7 +471,7 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        tokens = sum(run(batch) for batch in batches)
+        tokens = sum(run(batch) for batch in batches)  # each run reads its output back: no queued GPU work
         times.append(time.perf_counter() - start)
     sentences = sum(len(batch) if isinstance(batch, list) else len(batch["input_ids"]) for batch in batches)
     best = min(times)
@@ -431,13 +480,8 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
 
 
 def child_decode_ct2(engine: str, task: str, args: argparse.Namespace) -> dict:
-    """Generated tokens per second of CTranslate2's `translate_batch` in float32 or int8, best of the repeats."""
-    import ctranslate2
-
-    compute_type = engine.removeprefix("ct2-")
-    translator = ctranslate2.Translator(
-        str(args.workdir / "ct2"), device="cpu", compute_type=compute_type, intra_threads=args.threads
-    )
+    """Generated tokens per second of CTranslate2's `translate_batch` (see `ct2_translator`), best of the repeats."""
+    translator = ct2_translator(engine, args.workdir / "ct2", args)
     batches = json.loads((args.workdir.parent / "decode_tokens.json").read_text())
     options = dict(
         beam_size=4 if task == "beam" else 1,
@@ -472,6 +516,10 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = child_decode_torch(engine, task, args)
     result["peak_rss_mib"] = peak_rss_mib()
+    if args.device == "cuda" and not engine.startswith("ct2"):
+        import torch
+
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(result))
 
 
@@ -494,10 +542,15 @@ def main() -> None:
     parser.add_argument("--translate-batches", type=int, default=8, help="batches of 32 test sentences (default: 8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats; the best counts (default: 3)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every child; the best counts (default: 1)")
-    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks", help="where cpu.json and cpu.md go")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines run (default: cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="training autocast and decoding dtype; float32 on the CPU (default: float32)")  # fmt: skip
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks", help="where the reports go")
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cpu" and args.dtype != "float32":
+        parser.error(f"--dtype {args.dtype} is for --device cuda: on the CPU every engine runs in float32")
     if args.child:
         child(args)
     else:
