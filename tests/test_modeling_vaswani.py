@@ -525,8 +525,9 @@ def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
 
 def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):
     # Beam candidates as beam search ranks them: a trained model's next-token log-probabilities for
-    # 8 sentences taken as 2 x 4 beams, with suppressed tokens at -inf, cut to whole chunks of 32, to
-    # a few chunks, and to a length that 32 does not divide (which goes to torch.topk whole).
+    # 8 sentences taken as 2 x 4 beams, with suppressed tokens at -inf, cut to whole chunks of 32 (also
+    # in column-major layout), to a few chunks, and to a length that 32 does not divide (which goes to
+    # torch.topk whole).
     model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
     inputs = tokenizer(list(test_sentences[0]), padding=True, return_tensors="pt")
@@ -536,7 +537,13 @@ def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):
     log_probs[:, [tokenizer.pad_token_id, tokenizer.bos_token_id]] = -math.inf
     candidates = log_probs.view(2, -1)
     whole_chunks = candidates.shape[1] // 32 * 32
-    for scores in (candidates[:, :whole_chunks], candidates[:, : 9 * 32], candidates[:, : whole_chunks - 7]):
+    column_major = candidates[:, :whole_chunks].t().contiguous().t()  # same scores, not laid out row by row
+    for scores in (
+        candidates[:, :whole_chunks],
+        column_major,
+        candidates[:, : 9 * 32],
+        candidates[:, : whole_chunks - 7],
+    ):
         for k in (1, 8):
             values, indices = modeling_vaswani.top_k(scores, k)
             expected = scores.topk(k)
