@@ -174,6 +174,7 @@ def markdown(report: dict) -> str:
     """The results as one Markdown table per preset (throughput, peak memory, ratios), then the trained model's."""
     lines = []
     ct2 = f"CT2 {report['dtype']}"
+    int8 = "CT2 int8" if report["dtype"] == "float32" else f"CT2 int8_{report['dtype']}"
     for preset, results in report["results"].items():
         if preset == TRAINED:
             continue
@@ -181,7 +182,7 @@ def markdown(report: dict) -> str:
             f"**{preset}** ({report['presets'][preset]['parameters'] / 1e6:.1f}M parameters, "
             f"vocabulary {report['vocab_size']})",
             "",
-            f"| Measure | Ours | HF Marian | {ct2} | CT2 int8 | Ours / Marian | Ours / {ct2} |",
+            f"| Measure | Ours | HF Marian | {ct2} | {int8} | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         names = {"train": "training, tokens/s", "beam": "beam 4, generated tokens/s", "greedy": "greedy, tokens/s"}
@@ -233,7 +234,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     m = report["machine"]
     where = (
-        f"{m['gpu']}, {report['dtype']} (training: mixed precision)"
+        f"{m['gpu']}, {report['dtype']}" + (" (training: mixed precision)" if report["dtype"] != "float32" else "")
         if report["device"] == "cuda"
         else f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores"
     )
@@ -322,8 +323,13 @@ def synchronize(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def ct2_translator(engine: str, directory: Path, args: argparse.Namespace):
-    """CTranslate2 on `--device`: "ct2" computes in `--dtype`, "ct2-int8" in int8 (int8_<dtype> on a GPU)."""
+def ct2_translator(engine: str, directory: Path, args: argparse.Namespace) -> "ctranslate2.Translator":  # noqa: F821
+    """CTranslate2 on `--device`: "ct2" computes in `--dtype`, "ct2-int8" in int8 (int8_<dtype> on a GPU).
+
+    Raises:
+        ValueError, RuntimeError: from CTranslate2, for a compute type the device lacks or missing CUDA
+            libraries (its PyPI wheel needs CUDA 12's cuBLAS).
+    """
     import ctranslate2
 
     compute_type = args.dtype if engine == "ct2" else "int8" if args.dtype == "float32" else f"int8_{args.dtype}"
@@ -361,6 +367,9 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
             return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
 
     model.to(args.device).train()
+    if args.device == "cuda":
+        # As `vaswani_transformer.training` does: cuDNN's attention builds a plan for every new batch shape.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.

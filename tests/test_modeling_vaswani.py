@@ -548,6 +548,11 @@ def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):
             values, indices = modeling_vaswani.top_k(scores, k)
             expected = scores.topk(k)
             assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    # Scores rounded to half a nat tie by the hundred: the same values, and k distinct indices that hold them.
+    tied = candidates[:, :whole_chunks].mul(2).round().div(2)
+    values, indices = modeling_vaswani.top_k(tied, 8)
+    assert torch.equal(values, tied.topk(8).values) and torch.equal(tied.gather(1, indices), values)
+    assert all(len(set(row)) == 8 for row in indices.tolist())
 
 
 def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():

@@ -1079,23 +1079,28 @@ def _hoist_token_masks(processors: LogitsProcessorList) -> tuple[LogitsProcessor
 
 
 def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest scores of each row and their indices, best first, as `torch.topk(scores, k)` gives them.
+    """The k largest scores of each row and their indices, best first: the values of `torch.topk(scores, k)`.
 
     Beam search picks its candidates among num_beams * vocabulary scores per sentence (§6.1). On the
     CPU, `torch.topk` costs several passes over such a row: with a small model it took as long as the
     output projection (README, Performance). The k largest scores lie in the k chunks with the largest
     maxima, so one vectorised max over chunks of `chunk` scores narrows the search to k * chunk of them.
+    Among equal scores the indices may come in another order than `torch.topk`'s, which PyTorch does
+    not specify either. Other devices, and rows whose length `chunk` does not divide, go to `torch.topk`.
 
     Args:
         scores: `(rows, n)`.
         k: how many to keep, at most n.
-        chunk: scores per chunk; rows whose length it does not divide go to `torch.topk` whole.
+        chunk: scores per chunk.
 
     Returns:
         Values and indices, each `(rows, k)`.
+
+    Raises:
+        RuntimeError: k > n (from `torch.topk`).
     """
     rows, n = scores.shape
-    if n % chunk or k * chunk >= n:
+    if scores.device.type != "cpu" or n % chunk or k * chunk >= n:
         return scores.topk(k)
     best_chunks = scores.view(rows, n // chunk, chunk).amax(dim=-1).topk(k, sorted=False).indices
     indices = (best_chunks[..., None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
