@@ -344,6 +344,7 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     from vaswani_transformer.modeling_vaswani import shift_tokens_right
+    from vaswani_transformer.training import avoid_cudnn_attention
 
     torch.manual_seed(0)
     if engine == "ours":
@@ -368,8 +369,7 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
 
     model.to(args.device).train()
     if args.device == "cuda":
-        # As `vaswani_transformer.training` does: cuDNN's attention builds a plan for every new batch shape.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        avoid_cudnn_attention()  # for both engines, as `train` does: the batches change shape at every step
     # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.

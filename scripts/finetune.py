@@ -26,6 +26,7 @@ import vaswani_transformer  # noqa: F401  (registers the Auto classes)
 from vaswani_transformer.data import load_parallel_corpus
 from vaswani_transformer.evaluation import corpus_bleu
 from vaswani_transformer.hub import save_translator
+from vaswani_transformer.training import avoid_cudnn_attention
 
 
 def build_trainer(
@@ -120,6 +121,7 @@ def main() -> None:
     )
     parser.add_argument("--eval-steps", type=int, default=200, help="BLEU on the validation split every N steps")
     args = parser.parse_args()
+    avoid_cudnn_attention()  # padded batches change shape from step to step
     trainer = build_trainer(
         args.model,
         args.data_dir or args.dataset,
