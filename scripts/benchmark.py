@@ -25,7 +25,8 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
 
 writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. With `--device cuda --dtype bfloat16` (or float16)
 it measures on the GPU instead and writes `benchmarks/cuda-bfloat16.{json,md}`: training in mixed
-precision (autocast, and a gradient scaler for float16, as `train --mixed-precision` runs it),
+precision (autocast, and a gradient scaler for float16, as `train --mixed-precision` runs it, and
+without cuDNN's attention, as `train` does: `training.avoid_cudnn_attention`),
 decoding with the weights in that dtype, CTranslate2 with that compute type (int8: int8_<dtype>).
 Multi30k is read from `--data-dir` (default: ../shared/data/multi30k beside the repository); nothing
 from it is written to the repository.
