@@ -125,14 +125,14 @@ def test_a_crafted_pickle_where_a_checkpoint_is_expected_is_refused_not_executed
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(mini_corpus, tmp_path, monkeypatch):
-    real_loss, calls = modeling.label_smoothed_cross_entropy, []
+    real_loss, calls = modeling.linear_label_smoothed_cross_entropy, []
 
-    def loss_turning_nan_at_step_8(logits, labels, epsilon, num_items_in_batch=None):
+    def loss_turning_nan_at_step_8(*args, **kwargs):
         calls.append(1)
-        loss = real_loss(logits, labels, epsilon, num_items_in_batch)
+        loss = real_loss(*args, **kwargs)
         return loss * float("nan") if len(calls) == 8 else loss
 
-    monkeypatch.setattr(modeling, "label_smoothed_cross_entropy", loss_turning_nan_at_step_8)
+    monkeypatch.setattr(modeling, "linear_label_smoothed_cross_entropy", loss_turning_nan_at_step_8)
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 8.*Last good checkpoint: .*step-6"):
         train(tiny_run(mini_corpus, tmp_path / "stopped", eval_steps=100))
     kept = ckpt.list_checkpoints(tmp_path / "stopped" / "checkpoints")

@@ -14,6 +14,7 @@ from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, 
 from vaswani_transformer.modeling_vaswani import (
     SinusoidalPositionalEncoding,
     label_smoothed_cross_entropy,
+    linear_label_smoothed_cross_entropy,
     shift_tokens_right,
 )
 
@@ -289,19 +290,47 @@ def test_presets_are_table_3():
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(65e6, rel=0.05)
 
 
-def test_label_smoothed_loss_and_its_gradient_match_pytorch_cross_entropy():
+def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_logits():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, 11, (3, 5))
-    labels[0, 3:] = -100
-    for epsilon in (0.0, 0.1, 0.3):
-        ours = label_smoothed_cross_entropy(logits, labels, epsilon)
-        reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon)
-        torch.testing.assert_close(ours, reference)
-        (ours_grad,) = torch.autograd.grad(ours, logits)
-        (reference_grad,) = torch.autograd.grad(reference, logits)
-        torch.testing.assert_close(ours_grad, reference_grad)
-    assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, labels, 0.1), (logits,))
+    # 20,000 classes: the CPU chunk is 256 positions, so 3 x 200 positions take three chunks.
+    hidden = torch.randn(3, 200, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(20_000, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 20_000, dtype=torch.float64)
+    labels = torch.randint(0, 20_000, (3, 200))
+    labels[0, 150:] = -100
+    for epsilon, logit_bias, items in ((0.0, None, None), (0.1, bias, None), (0.3, None, 1000)):
+        fused = linear_label_smoothed_cross_entropy(hidden, weight, labels, epsilon, logit_bias, items)
+        logits = F.linear(hidden, weight) + (0 if logit_bias is None else logit_bias)
+        reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon, reduction="sum")
+        reference = reference / (labels.ne(-100).sum() if items is None else items)
+        torch.testing.assert_close(fused, reference)
+        expected = torch.autograd.grad(reference, (hidden, weight))
+        for ours, theirs in zip(torch.autograd.grad(fused, (hidden, weight)), expected, strict=True):
+            torch.testing.assert_close(ours, theirs)
+    small = (hidden[:1, :5, :4].detach().requires_grad_(), weight[:11, :4].detach().requires_grad_())
+    small_labels = labels[:1, :5] % 11
+    assert torch.autograd.gradcheck(lambda h, w: linear_label_smoothed_cross_entropy(h, w, small_labels, 0.1), small)
+
+
+def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(tokenizer, test_sentences):
+    model = tiny_model(tokenizer, seed=3)  # eval mode: no dropout, so both passes compute the same function
+    batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
+    fused = model(**batch)
+    assert fused.logits is None
+    fused.loss.backward()
+    fused_gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    decoder_input_ids = shift_tokens_right(
+        batch["labels"], model.config.pad_token_id, model.config.decoder_start_token_id
+    )
+    logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=decoder_input_ids).logits
+    reference = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
+    reference.backward()
+    torch.testing.assert_close(fused.loss, reference)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).loss, reference)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fused_gradients[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm (paper)", "pre-norm option"])
@@ -409,6 +438,13 @@ def test_bf16_autocast_on_cpu_runs_and_stays_close_to_float32(tokenizer, test_se
             half = model(**batch)
     assert half.logits.dtype == torch.bfloat16 and half.loss.dtype == torch.float32
     torch.testing.assert_close(half.loss, full.loss, atol=0.05, rtol=0.01)
+    # With gradients, the fused projection and loss (bfloat16 products, float32 softmax) run instead.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        training = model(**batch)
+    torch.testing.assert_close(training.loss, full.loss, atol=0.05, rtol=0.01)
+    training.loss.backward()
+    gradient = model.lm_head.weight.grad
+    assert gradient.dtype == torch.float32 and torch.isfinite(gradient).all() and gradient.abs().sum() > 0
 
 
 def test_resize_token_embeddings_keeps_the_three_uses_tied(tokenizer):
@@ -608,7 +644,7 @@ def test_explicit_head_sizes_shape_the_projections():
     assert attention.q_proj.weight.shape == attention.k_proj.weight.shape == (16, 32)
     assert attention.v_proj.weight.shape == (24, 32) and attention.out_proj.weight.shape == (32, 24)
     ids = torch.tensor([[5, 6, 7, 2]])
-    assert model(input_ids=ids, labels=ids).logits.shape == (1, 4, 100)
+    assert model(input_ids=ids, decoder_input_ids=ids).logits.shape == (1, 4, 100)
 
 
 def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_limit():
@@ -617,7 +653,7 @@ def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_l
     assert isinstance(positions, torch.nn.Embedding) and positions.weight.shape == (16, 32)
     assert positions.weight.requires_grad
     ids = torch.full((1, 16), 7)
-    assert torch.isfinite(model(input_ids=ids, labels=ids).logits).all()
+    assert torch.isfinite(model(input_ids=ids, decoder_input_ids=ids).logits).all()
     with pytest.raises(ValueError, match="max_position_embeddings=16"):
         model(input_ids=torch.full((1, 17), 7), labels=ids)
     # generate() stops at the last learned position instead of failing halfway through a batch.

@@ -632,45 +632,14 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill_(shifted == -100, pad_token_id)
 
 
-class LabelSmoothedCrossEntropy(torch.autograd.Function):
-    """Summed cross entropy against (1 - epsilon) * one_hot(y) + epsilon / V, with a hand-written gradient.
-
-    With log-probabilities log p = logits - logsumexp(logits), the loss of one position is
-    logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), and its gradient is
-    p - epsilon / V - (1 - epsilon) * one_hot(y). Computing that gradient directly takes one new
-    (positions x V) tensor instead of the several that autograd keeps for log_softmax, the
-    gather and the mean; with V in the tens of thousands this is a sizeable part of a training step.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, epsilon: float) -> torch.Tensor:
-        keep = labels.ne(-100)
-        safe_labels = labels.masked_fill(~keep, 0)
-        log_z = torch.logsumexp(logits, dim=-1)
-        target_logit = logits.gather(-1, safe_labels[:, None]).squeeze(-1)
-        losses = log_z - (1.0 - epsilon) * target_logit - epsilon * logits.mean(dim=-1)
-        ctx.save_for_backward(logits, safe_labels, keep, log_z)
-        ctx.epsilon = epsilon
-        return (losses * keep).sum()
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, safe_labels, keep, log_z = ctx.saved_tensors
-        epsilon = ctx.epsilon
-        grad = torch.sub(logits, log_z[:, None]).exp_().sub_(epsilon / logits.shape[-1])
-        grad.scatter_add_(-1, safe_labels[:, None], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
-        grad.mul_((keep * grad_output)[:, None])
-        return grad, None, None
-
-
 def label_smoothed_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, epsilon: float, num_items_in_batch: int | torch.Tensor | None = None
 ) -> torch.Tensor:
     """Cross entropy against the smoothed targets (1 - epsilon) * one_hot(y) + epsilon / vocab_size (§5.4).
 
-    This is the label smoothing of Szegedy et al. (2016) that the paper cites (the same as
-    `torch.nn.functional.cross_entropy(label_smoothing=epsilon)`), computed in at least float32
-    without materialising the targets.
+    This is the label smoothing of Szegedy et al. (2016) that the paper cites, computed in at least
+    float32 by `torch.nn.functional.cross_entropy(label_smoothing=epsilon)`. Training computes the
+    same loss without the logits: `linear_label_smoothed_cross_entropy`.
 
     Args:
         logits: `(batch, target_len, vocab_size)`.
@@ -685,10 +654,95 @@ def label_smoothed_cross_entropy(
     """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # a softmax over tens of thousands of classes needs float32's range
-    loss = LabelSmoothedCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), epsilon)
-    if num_items_in_batch is None:
-        num_items_in_batch = labels.ne(-100).sum()
-    return loss / num_items_in_batch
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon, reduction="sum")
+    return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
+
+
+class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
+    """The summed label-smoothed cross entropy of logits = hidden W^T + b, and its gradients, chunk by chunk.
+
+    With log-probabilities log p = logits - logsumexp(logits), the loss of one position is
+    logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), and its gradient with respect to
+    the logits is p - epsilon / V - (1 - epsilon) * one_hot(y). Both are computed in the forward
+    pass, a chunk of positions at a time, and the chunk's logits gradient is turned at once into
+    the gradients of the hidden states and of W, so that the (positions x V) logits never exist
+    whole: with the paper's batches (25,000 target tokens, a 37,000-token vocabulary) they would
+    take 3.7 GB in float32, and their gradient as much again.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        epsilon: float,
+    ) -> torch.Tensor:
+        vocab_size = weight.shape[0]
+        # On the CPU, chunks of logits under glibc's 32 MiB mmap threshold reuse freed memory instead of
+        # faulting in fresh pages; on accelerators, large chunks keep the kernel launches few. At least 256
+        # positions a chunk keep the matrix products efficient with large vocabularies.
+        budget = 2**21 if hidden.device.type == "cpu" else 2**27
+        chunk = max(256, budget // vocab_size)
+        keep = labels.ne(-100)
+        safe_labels = labels.masked_fill(~keep, 0)
+        dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
+        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=dtype)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = F.linear(hidden[rows], weight, bias).to(dtype)
+            log_z = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(-1, safe_labels[rows, None]).squeeze(-1)
+            losses = log_z - (1.0 - epsilon) * target_logit - epsilon * logits.mean(dim=-1)
+            loss += (losses * keep[rows]).sum()
+            grad = logits.sub_(log_z[:, None]).exp_().sub_(epsilon / vocab_size)  # in place: logits are spent
+            grad.scatter_add_(-1, safe_labels[rows, None], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+            grad.mul_(keep[rows, None])
+            grad_hidden[rows] = grad.to(weight.dtype) @ weight
+            grad_weight += grad.t().to(hidden.dtype) @ hidden[rows]
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None
+
+
+def linear_label_smoothed_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    epsilon: float,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`label_smoothed_cross_entropy` of the logits hidden W^T + b (§3.4, §5.4), without materialising them.
+
+    The same value and gradients as the pre-softmax projection followed by
+    `label_smoothed_cross_entropy`, in float32 logits (`LinearLabelSmoothedCrossEntropy`), with
+    memory for a chunk of the (positions x vocab_size) logits instead of all of them and their gradient.
+
+    Args:
+        hidden: `(batch, target_len, d_model)` decoder output.
+        weight: `(vocab_size, d_model)` pre-softmax projection (tied to the embeddings).
+        labels: `(batch, target_len)` target ids; -100 marks positions to ignore (padding).
+        epsilon: epsilon_ls in [0, 1).
+        bias: `(vocab_size,)` or `(1, vocab_size)` fixed logit bias (imported Marian models), or None.
+        num_items_in_batch: as in `label_smoothed_cross_entropy`.
+
+    Returns:
+        The scalar loss, in nats per target token.
+
+    Raises:
+        RuntimeError: the shapes of `hidden` and `weight` do not fit (from the matrix product).
+    """
+    bias = bias.flatten() if bias is not None else None
+    loss = LinearLabelSmoothedCrossEntropy.apply(hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon)
+    return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
 
 
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
@@ -745,6 +799,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
         Returns:
             `Seq2SeqLMOutput` with `logits` `(batch, target_len, vocab_size)` and `loss` (nats per token).
+            With `labels` and gradients enabled (training), `logits` is None: the loss comes from
+            `linear_label_smoothed_cross_entropy`, which never holds all of them. Call without
+            `labels`, or under `torch.no_grad()`, to get them.
 
         Raises:
             ValueError: neither `decoder_input_ids` nor `labels` is given, or the rows of
@@ -768,12 +825,20 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        logits = self.lm_head(outputs.last_hidden_state)
-        if self.final_logits_bias is not None:
-            logits = logits + self.final_logits_bias
-        loss = None
-        if labels is not None:
-            loss = label_smoothed_cross_entropy(logits, labels, self.config.label_smoothing, num_items_in_batch)
+        hidden_states, epsilon = outputs.last_hidden_state, self.config.label_smoothing
+        logits = loss = None
+        if labels is not None and torch.is_grad_enabled():
+            # Training: the loss and its gradients straight from the decoder output (§3.4, §5.4), without the
+            # (tokens x vocabulary) logits, the largest tensor of a step (README, Performance).
+            loss = linear_label_smoothed_cross_entropy(
+                hidden_states, self.lm_head.weight, labels, epsilon, self.final_logits_bias, num_items_in_batch
+            )
+        else:
+            logits = self.lm_head(hidden_states)
+            if self.final_logits_bias is not None:
+                logits = logits + self.final_logits_bias
+            if labels is not None:
+                loss = label_smoothed_cross_entropy(logits, labels, epsilon, num_items_in_batch)
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
