@@ -8,8 +8,9 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
 
 - training: non-padding source + target tokens per second of forward + backward + (fused) Adam step, on
   the same Multi30k batches (the project's `TokenBatchSampler`, `--max-tokens` per side) for both
-  PyTorch engines. Both compute the same loss: ours its fused label-smoothed cross entropy,
-  Marian `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
+  PyTorch engines. Both compute the same loss: ours its output projection fused with the
+  label-smoothed cross entropy (`modeling_vaswani.linear_label_smoothed_cross_entropy`), Marian
+  `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
 - decoding: generated tokens per second of beam search (beam 4) and greedy search, batches of 32
   Multi30k test sentences. Untrained weights would stop at random lengths, so every engine is
   forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =
@@ -354,7 +355,7 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
         model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours")
 
         def loss_of(batch):
-            return model(**batch).loss  # its fused label-smoothed cross entropy
+            return model(**batch).loss  # the projection fused with the label-smoothed cross entropy
     else:
         from transformers import MarianMTModel
 

@@ -15,6 +15,7 @@ from vaswani_transformer.modeling_vaswani import (
     SinusoidalPositionalEncoding,
     label_smoothed_cross_entropy,
     linear_label_smoothed_cross_entropy,
+    residual_dropout,
     shift_tokens_right,
 )
 
@@ -416,13 +417,41 @@ def test_each_sentence_of_a_batch_stops_at_its_own_length_limit(tokenizer, test_
         assert output_lengths.tolist() == (source_lengths + 3).tolist()
 
 
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_residual_dropout_drops_each_element_independently_at_rate_p_and_keeps_expectations(p):
+    x = torch.rand(1000, 4001) + 0.5  # an odd number of elements: not a whole number of 64-bit draws
+    torch.manual_seed(0)
+    y = residual_dropout(x, p, training=True)
+    dropped = y == 0
+    n = dropped.numel()
+    assert abs(dropped.float().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)
+    # Independent elements: those 1 to 4 apart (sharing a 64-bit draw or not) are dropped together at rate p^2.
+    flat = dropped.flatten()
+    for offset in (1, 2, 3, 4):
+        together = (flat[:-offset] & flat[offset:]).float().mean().item()
+        assert abs(together - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n), offset
+    scale = 1 / (1 - round(p * 2**16) / 2**16)
+    torch.testing.assert_close(y[~dropped], x[~dropped] * scale)
+    assert abs(1 / scale - (1 - p)) < 2**-17
+    # The same masks from the same seed; the identity outside training.
+    torch.manual_seed(0)
+    torch.testing.assert_close(residual_dropout(x, p, training=True), y)
+    assert residual_dropout(x, p, training=False) is x
+    # The gradient is the mask times the scale.
+    leaf = x.clone().requires_grad_()
+    torch.manual_seed(0)
+    residual_dropout(leaf, p, training=True).sum().backward()
+    torch.testing.assert_close(leaf.grad, (~dropped).float() * scale)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, test_sentences):
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     gradients = []
     for checkpointing in (False, True):
-        model = tiny_model(tokenizer, seed=9, dropout=0.0).train()  # no dropout: the same computation twice
+        model = tiny_model(tokenizer, seed=9, dropout=0.3).train()
         if checkpointing:
             model.activation_checkpointing_enable()
+        torch.manual_seed(1)  # the same dropout masks in both runs, and again in the recomputed forward pass
         model(**batch).loss.backward()
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
     for name, gradient in gradients[0].items():
