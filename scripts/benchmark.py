@@ -11,6 +11,8 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
   PyTorch engines. Both compute the same loss: ours its output projection fused with the
   label-smoothed cross entropy (`modeling_vaswani.linear_label_smoothed_cross_entropy`), Marian
   `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
+  Both apply dropout in the same places at the same rate; ours draws its CPU masks with fewer generator
+  calls (`modeling_vaswani.residual_dropout`), Marian with `F.dropout`.
 - decoding: generated tokens per second of beam search (beam 4) and greedy search, batches of 32
   Multi30k test sentences. Untrained weights would stop at random lengths, so every engine is
   forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =

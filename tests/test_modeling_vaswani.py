@@ -332,6 +332,36 @@ def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_t
         torch.testing.assert_close(model(**batch).loss, reference)
     for name, p in model.named_parameters():
         torch.testing.assert_close(fused_gradients[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    # Where the fused loss cannot serve, the logits are materialised: a hook on the output layer must run
+    # (DeepSpeed ZeRO-3 and Accelerate's offloading gather or move the weight there), or float16.
+    calls = []
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(1))
+    hooked = model(**batch)
+    handle.remove()
+    assert calls == [1] and hooked.logits is not None
+    torch.testing.assert_close(hooked.loss, reference)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert model(**batch).logits is not None
+
+
+def test_fused_loss_gives_a_trainable_bias_its_gradient_and_refuses_double_backward():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(13, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 13, (2, 7))
+    labels[1, 4:] = -100
+    fused = linear_label_smoothed_cross_entropy(hidden, weight, labels, 0.1, bias)
+    logits = F.linear(hidden, weight, bias)
+    reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+    (ours,) = torch.autograd.grad(fused, bias, retain_graph=True)
+    (theirs,) = torch.autograd.grad(reference, bias)
+    torch.testing.assert_close(ours, theirs)
+    # Its gradients are constants of the forward pass: differentiating them again must fail, not give 0.
+    scale = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    (grad_hidden,) = torch.autograd.grad(fused * scale, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm (paper)", "pre-norm option"])

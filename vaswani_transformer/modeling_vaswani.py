@@ -23,6 +23,7 @@ from transformers.generation import (
     StoppingCriteriaList,
     logits_process,
 )
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -272,7 +273,7 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     dropped = round(p * 2**16)
     if not training or x.device.type != "cpu" or not 0 < dropped < 2**16:
         return F.dropout(x, p=p, training=training)
-    # The full int64 range: `random_()` alone leaves the sign bit 0, and the top 16-bit lane would not be uniform.
+    # All 64 bits random (to within 2^-64): `random_()` alone leaves the sign bit 0, which the top 16-bit lane needs.
     draws = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
     keep = draws.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - 2**15
     return x * keep * (2**16 / (2**16 - dropped))
@@ -695,9 +696,9 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), and its gradient with respect to
     the logits is p - epsilon / V - (1 - epsilon) * one_hot(y). Both are computed in the forward
     pass, a chunk of positions at a time, and the chunk's logits gradient is turned at once into
-    the gradients of the hidden states and of W, so that the (positions x V) logits never exist
-    whole: with the paper's batches (25,000 target tokens, a 37,000-token vocabulary) they would
-    take 3.7 GB in float32, and their gradient as much again.
+    the gradients of the hidden states, W and b, so that the (positions x V) logits never exist
+    whole: for a batch of 25,000 target tokens on one device and a 37,000-token vocabulary (the
+    paper's sizes) they would take 3.7 GB in float32, and their gradient as much again.
     """
 
     @staticmethod
@@ -710,17 +711,18 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         epsilon: float,
     ) -> torch.Tensor:
         vocab_size = weight.shape[0]
-        # On the CPU, chunks of logits under glibc's 32 MiB mmap threshold reuse freed memory instead of
-        # faulting in fresh pages; on accelerators, large chunks keep the kernel launches few. At least 256
-        # positions a chunk keep the matrix products efficient with large vocabularies.
+        # On the CPU, chunks of about 8 MiB of float32 logits reuse freed memory instead of faulting in fresh
+        # pages (glibc maps blocks over 32 MiB anew each time); on accelerators, large chunks keep the kernel
+        # launches few. At least 256 positions a chunk keep the matrix products efficient.
         budget = 2**21 if hidden.device.type == "cpu" else 2**27
         chunk = max(256, budget // vocab_size)
         keep = labels.ne(-100)
         safe_labels = labels.masked_fill(~keep, 0)
         dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
+        grad_hidden = torch.empty_like(hidden, dtype=dtype)
         grad_weight = torch.zeros_like(weight, dtype=dtype)
+        grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = F.linear(hidden[rows], weight, bias).to(dtype)
@@ -733,13 +735,19 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
             grad.mul_(keep[rows, None])
             grad_hidden[rows] = grad.to(weight.dtype) @ weight
             grad_weight += grad.t().to(hidden.dtype) @ hidden[rows]
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None
+        # Scaled in float32 first, then cast: a loss scale (float16 training) acts before any rounding.
+        grads = [g * grad_output if g is not None else None for g in ctx.saved_tensors]
+        grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)]
+        return *grads, None, None
 
 
 def linear_label_smoothed_cross_entropy(
@@ -829,9 +837,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
         Returns:
             `Seq2SeqLMOutput` with `logits` `(batch, target_len, vocab_size)` and `loss` (nats per token).
-            With `labels` and gradients enabled (training), `logits` is None: the loss comes from
-            `linear_label_smoothed_cross_entropy`, which never holds all of them. Call without
-            `labels`, or under `torch.no_grad()`, to get them.
+            With `labels` and gradients enabled (training, outside float16), `logits` is None, and so
+            absent from `to_tuple()`: the loss comes from `linear_label_smoothed_cross_entropy`, which
+            never holds all of them. Call without `labels`, or under `torch.no_grad()`, to get them.
 
         Raises:
             ValueError: neither `decoder_input_ids` nor `labels` is given, or the rows of
@@ -857,9 +865,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
         hidden_states, epsilon = outputs.last_hidden_state, self.config.label_smoothing
         logits = loss = None
-        if labels is not None and torch.is_grad_enabled():
-            # Training: the loss and its gradients straight from the decoder output (§3.4, §5.4), without the
-            # (tokens x vocabulary) logits, the largest tensor of a step (README, Performance).
+        if labels is not None and self._loss_without_logits(hidden_states):
             loss = linear_label_smoothed_cross_entropy(
                 hidden_states, self.lm_head.weight, labels, epsilon, self.final_logits_bias, num_items_in_batch
             )
@@ -879,6 +885,26 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+        )
+
+    def _loss_without_logits(self, hidden_states: torch.Tensor) -> bool:
+        # In training, the fused projection and loss spare the (tokens x vocabulary) logits, the largest tensor
+        # of a step (README, Fine-tuning). It reads lm_head's weight without calling lm_head, so not where a hook
+        # of lm_head must run first (DeepSpeed ZeRO-3 gathers the partitioned weight there, Accelerate's
+        # offloading brings it to the device), nor for an output layer with a bias of its own. Not in float16
+        # either: its unscaled logit gradients, about 1 / vocabulary, would fall among float16's subnormals,
+        # where the materialised logits get them multiplied by the loss scale first.
+        device = hidden_states.device.type
+        return (
+            torch.is_grad_enabled()
+            and (hidden_states.requires_grad or self.lm_head.weight.requires_grad)
+            and type(self.lm_head) is nn.Linear
+            and self.lm_head.bias is None
+            and not self.lm_head._forward_pre_hooks
+            and not hasattr(self.lm_head, "_hf_hook")
+            and not is_deepspeed_zero3_enabled()
+            and torch.float16 not in (hidden_states.dtype, self.lm_head.weight.dtype)
+            and not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16)
         )
 
     # Set by `generate` for the duration of one call; read by the beam search hooks below.
