@@ -273,8 +273,8 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     dropped = round(p * 2**16)
     if not training or x.device.type != "cpu" or not 0 < dropped < 2**16:
         return F.dropout(x, p=p, training=training)
-    # All 64 bits random (to within 2^-64): `random_()` alone leaves the sign bit 0, which the top 16-bit lane needs.
-    draws = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
+    # `random_(-2^63, None)` draws all 64 bits; `random_()` leaves the sign bit 0, which the top 16-bit lane needs.
+    draws = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
     keep = draws.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - 2**15
     return x * keep * (2**16 / (2**16 - dropped))
 
