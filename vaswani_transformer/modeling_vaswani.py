@@ -2,8 +2,9 @@
 
 Read top to bottom, this file follows §3 of the paper: positional encoding (§3.5), scaled
 dot-product and multi-head attention (§3.2), the position-wise feed-forward network (§3.3),
-the encoder and decoder layers with their residual + LayerNorm sublayers (§3.1), the two
-stacks with their shared embeddings (§3.4), and the model with its label-smoothed loss (§5.4).
+the residual dropout (§5.4) and the encoder and decoder layers with their residual + LayerNorm
+sublayers (§3.1), the two stacks with their shared embeddings (§3.4), and the model with its
+label-smoothed loss (§5.4).
 """
 
 import math
@@ -269,6 +270,9 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
     Returns:
         A tensor of the shape and dtype of `x`.
+
+    Raises:
+        ValueError: p is outside [0, 1] (from `F.dropout`).
     """
     dropped = round(p * 2**16)
     if not training or x.device.type != "cpu" or not 0 < dropped < 2**16:
