@@ -703,6 +703,11 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     the gradients of the hidden states, W and b, so that the (positions x V) logits never exist
     whole: for a batch of 25,000 target tokens on one device and a 37,000-token vocabulary (the
     paper's sizes) they would take 3.7 GB in float32, and their gradient as much again.
+
+    `apply(hidden, weight, bias, labels, epsilon)` takes `(positions, d_model)` hidden states, the
+    `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored) and epsilon, and
+    returns the summed loss in nats, a scalar in at least float32. Its gradients are constants of the
+    forward pass: differentiating them again raises RuntimeError (`once_differentiable`).
     """
 
     @staticmethod
