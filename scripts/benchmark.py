@@ -95,6 +95,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
     (workdir / "decode_tokens.json").write_text(json.dumps(tokens))
 
     info = {"vocab_size": len(tokenizer), "presets": {}}
+    with_ct2 = any(engine.startswith("ct2") for engine in args.engines)  # the export needs ctranslate2 installed
     for preset in args.presets:
         torch.manual_seed(0)
         model = VaswaniForConditionalGeneration(VaswaniConfig.from_preset(preset, vocab_size=len(tokenizer))).eval()
@@ -102,7 +103,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         model.save_pretrained(directory / "ours")
         tokenizer.save_pretrained(directory / "ours")
         to_marian(model).save_pretrained(directory / "marian")
-        export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+        if with_ct2:
+            export_ctranslate2(directory / "ours", directory / "ct2", force=True)
         info["presets"][preset] = {"parameters": sum(p.numel() for p in model.parameters())}
     if args.model:
         directory = workdir / TRAINED
@@ -111,7 +113,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         trained.save_pretrained(directory / "ours")
         trained_tokenizer.save_pretrained(directory / "ours")
         to_marian(trained).save_pretrained(directory / "marian")
-        export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+        if with_ct2:
+            export_ctranslate2(directory / "ours", directory / "ct2", force=True)
         test = corpus["test_2016_flickr"]["en"][: args.translate_batches * 32]
         test_batches = [test[i : i + 32] for i in range(0, len(test), 32)]
         encoded = [dict(trained_tokenizer(batch, padding=True, return_tensors="pt")) for batch in test_batches]
@@ -141,11 +144,16 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
 
 def machine(device: str) -> dict:
     """CPU model, core count, the GPU on `device` "cuda" (else None) and library versions, for the report."""
-    import ctranslate2
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import transformers
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    try:
+        ctranslate2_version = version("ctranslate2")
+    except PackageNotFoundError:  # a run of the PyTorch engines alone
+        ctranslate2_version = None
     return {
         "cpu": cpu or platform.processor(),
         "cores": os.cpu_count(),
@@ -153,7 +161,7 @@ def machine(device: str) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "ctranslate2": ctranslate2.__version__,
+        "ctranslate2": ctranslate2_version,
     }
 
 
