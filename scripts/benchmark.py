@@ -245,14 +245,15 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {group}, {task} | {' | '.join(cells)} |")
         lines.append("")
     m = report["machine"]
+    ct2_version = f"ctranslate2 {m['ctranslate2']}" if m["ctranslate2"] else "no ctranslate2"
     where = (
         f"{m['gpu']}, {report['dtype']}" + (" (training: mixed precision)" if report["dtype"] != "float32" else "")
         if report["device"] == "cuda"
         else f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores"
     )
     lines.append(
-        f"{where}; torch {m['torch']}, transformers "
-        f"{m['transformers']}, ctranslate2 {m['ctranslate2']}. Load average before / after: "
+        f"{where}; torch {m['torch']}, transformers {m['transformers']}, "
+        f"{ct2_version}. Load average before / after: "
         f"{report['load_before']} / {report['load_after']}. Decoding: {report['decode_sentences']} Multi30k test "
         f"sentences in batches of 32, {report['decode_length']} tokens each; training: "
         f"{report['train_tokens_per_step']:,.0f} real tokens per step."
