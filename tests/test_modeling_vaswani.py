@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from conftest import tiny_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
@@ -313,7 +314,9 @@ def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_
     assert torch.autograd.gradcheck(lambda h, w: linear_label_smoothed_cross_entropy(h, w, small_labels, 0.1), small)
 
 
-def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(tokenizer, test_sentences):
+def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(
+    tokenizer, test_sentences, monkeypatch
+):
     model = tiny_model(tokenizer, seed=3)  # eval mode: no dropout, so both passes compute the same function
     batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
     fused = model(**batch)
@@ -340,8 +343,17 @@ def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_t
     handle.remove()
     assert calls == [1] and hooked.logits is not None
     torch.testing.assert_close(hooked.loss, reference)
+    add_hook_to_module(model.lm_head, ModelHook())  # what Accelerate's offloading attaches (`_hf_hook`)
+    offloaded = model(**batch)
+    remove_hook_from_module(model.lm_head)
+    assert offloaded.logits is not None
+    torch.testing.assert_close(offloaded.loss, reference)
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_vaswani, "is_deepspeed_zero3_enabled", lambda: True)
+        assert model(**batch).logits is not None
     with torch.autocast("cpu", dtype=torch.float16):
         assert model(**batch).logits is not None
+    assert model(**batch).logits is None  # and with none of these, fused again
 
 
 def test_fused_loss_gives_a_trainable_bias_its_gradient_and_refuses_double_backward():
