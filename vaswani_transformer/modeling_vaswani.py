@@ -694,7 +694,7 @@ def label_smoothed_cross_entropy(
 
 
 class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
-    """The summed label-smoothed cross entropy of logits = hidden W^T + b, and its gradients, chunk by chunk.
+    """The summed label-smoothed cross entropy (§5.4) of logits = hidden W^T + b (§3.4), and its gradients, by chunks.
 
     With log-probabilities log p = logits - logsumexp(logits), the loss of one position is
     logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), and its gradient with respect to
