@@ -136,10 +136,28 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
     command += ["--train-warmup", str(args.train_warmup), "--repeats", str(args.repeats)]
     command += ["--device", args.device, "--dtype", args.dtype]
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    before = cpu_times()
     done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
+    after = cpu_times()
     if done.returncode != 0:
         raise RuntimeError(f"{engine} {task} ({preset}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if before and after and after[1] > before[1]:
+        result["cpu_steal"] = (after[0] - before[0]) / (after[1] - before[1])
+    return result
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(stolen, total) CPU time of the whole machine so far, in clock ticks, from /proc/stat; None elsewhere.
+
+    On a virtual machine the hypervisor may run other guests on our cores ("steal"). This machine's
+    speed swings by up to 2x with it, so each child's share of stolen time goes into the report.
+    """
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
 def machine(device: str) -> dict:
@@ -244,6 +262,22 @@ def markdown(report: dict) -> str:
                 cells = [median_ratio(speeds, other) for other in ("marian", "ct2")]
                 lines.append(f"| {group}, {task} | {' | '.join(cells)} |")
         lines.append("")
+    steals = [
+        (steal, f"{engine} {task} {group}, round {index + 1}")
+        for group, tasks in report.get("round_steal", {}).items()
+        for task, engines in tasks.items()
+        for engine, rounds in engines.items()
+        for index, steal in enumerate(rounds)
+        if steal is not None
+    ]
+    if steals:
+        worst = max(steals)
+        lines += [
+            "CPU time stolen by the hypervisor while a child ran: median "
+            f"{statistics.median(s for s, _ in steals):.1%}, highest {worst[0]:.1%} ({worst[1]}). "
+            "Round speeds and steal per child: the JSON report.",
+            "",
+        ]
     m = report["machine"]
     ct2_version = f"ctranslate2 {m['ctranslate2']}" if m["ctranslate2"] else "no ctranslate2"
     where = (
@@ -270,20 +304,25 @@ def parent(args: argparse.Namespace) -> None:
         groups = [*args.presets, *([TRAINED] if args.model else [])]
         report["results"] = {group: {} for group in groups}
         report["round_speeds"] = {group: {} for group in groups}
+        report["round_steal"] = {group: {} for group in groups}  # each child's share of CPU time stolen
         # Rounds interleave the engines, so that a burst of load from other processes hits them all
-        # alike; the fastest round of each engine counts, and every round's speed is kept.
-        for _ in range(args.rounds):
+        # alike, in the reverse order every other round, so that a machine that drifts slower or faster
+        # over a run favours none of them; the fastest round of each engine counts, every round is kept.
+        for round_index in range(args.rounds):
             for group in groups:
                 results = report["results"][group]
                 for task, engines in TASKS.items():
                     if (task == "translate") != (group == TRAINED) or task not in args.tasks:
                         continue
-                    for engine in (e for e in engines if e in args.engines):
+                    for engine in [e for e in engines if e in args.engines][:: -1 if round_index % 2 else 1]:
                         result = run_child(args, workdir, group, engine, task)
+                        steal = result.get("cpu_steal")
+                        stolen = f" {steal:6.1%} steal" if steal is not None else ""
                         print(f"{group:7} {task:9} {engine:12} {speed(task, result):10,.1f} per s "
-                              f"{result['peak_rss_mib']:8,.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
+                              f"{result['peak_rss_mib']:8,.0f} MiB{stolen}", file=sys.stderr, flush=True)  # fmt: skip
                         report["round_speeds"][group].setdefault(task, {}).setdefault(engine, [])
                         report["round_speeds"][group][task][engine].append(speed(task, result))
+                        report["round_steal"][group].setdefault(task, {}).setdefault(engine, []).append(steal)
                         best = results.setdefault(task, {}).get(engine)
                         if best is None or speed(task, result) > speed(task, best):
                             results[task][engine] = result
