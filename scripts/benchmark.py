@@ -150,8 +150,8 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
 def cpu_times() -> tuple[int, int] | None:
     """(stolen, total) CPU time of the whole machine so far, in clock ticks, from /proc/stat; None elsewhere.
 
-    On a virtual machine the hypervisor may run other guests on our cores ("steal"). This machine's
-    speed swings by up to 2x with it, so each child's share of stolen time goes into the report.
+    On a virtual machine the hypervisor may run other guests on our cores ("steal"). PyTorch with 2
+    threads slows down several times under it, so each child's share of stolen time goes into the report.
     """
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
