@@ -702,7 +702,9 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     pass, a chunk of positions at a time, and the chunk's logits gradient is turned at once into
     the gradients of the hidden states, W and b, so that the (positions x V) logits never exist
     whole: for a batch of 25,000 target tokens on one device and a 37,000-token vocabulary (the
-    paper's sizes) they would take 3.7 GB in float32, and their gradient as much again.
+    paper's sizes) they would take 3.7 GB in float32, and their gradient as much again. Ignored
+    positions (padding) add nothing to the loss and get zero gradients, so their logits are never
+    computed.
 
     `apply(hidden, weight, bias, labels, epsilon)` takes `(positions, d_model)` hidden states, the
     `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored) and epsilon, and
@@ -726,26 +728,30 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         budget = 2**21 if hidden.device.type == "cpu" else 2**27
         chunk = max(256, budget // vocab_size)
         keep = labels.ne(-100)
-        safe_labels = labels.masked_fill(~keep, 0)
+        kept_hidden, kept_labels = hidden[keep], labels[keep][:, None]
         dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden, dtype=dtype)
+        grad_kept = torch.empty_like(kept_hidden, dtype=dtype)
         grad_weight = torch.zeros_like(weight, dtype=dtype)
         grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
-        for start in range(0, hidden.shape[0], chunk):
+        for start in range(0, kept_hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(hidden[rows], weight, bias).to(dtype)
-            log_z = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(-1, safe_labels[rows, None]).squeeze(-1)
-            losses = log_z - (1.0 - epsilon) * target_logit - epsilon * logits.mean(dim=-1)
-            loss += (losses * keep[rows]).sum()
-            grad = logits.sub_(log_z[:, None]).exp_().sub_(epsilon / vocab_size)  # in place: logits are spent
-            grad.scatter_add_(-1, safe_labels[rows, None], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
-            grad.mul_(keep[rows, None])
-            grad_hidden[rows] = grad.to(weight.dtype) @ weight
-            grad_weight += grad.t().to(hidden.dtype) @ hidden[rows]
+            logits = F.linear(kept_hidden[rows], weight, bias).to(dtype)
+            target_logit = logits.gather(-1, kept_labels[rows]).squeeze(-1)
+            mean_logit = logits.mean(dim=-1)
+            # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
+            max_logit = logits.amax(dim=-1, keepdim=True)
+            probabilities = logits.sub_(max_logit).exp_()
+            normaliser = probabilities.sum(dim=-1, keepdim=True)
+            log_z = (max_logit + normaliser.log()).squeeze(-1)
+            loss += (log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit).sum()
+            grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
+            grad.scatter_add_(-1, kept_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+            grad_kept[rows] = grad.to(weight.dtype) @ weight
+            grad_weight += grad.t().to(hidden.dtype) @ kept_hidden[rows]
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
+        grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_kept)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return loss
