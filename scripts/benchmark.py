@@ -33,6 +33,11 @@ without cuDNN's attention, as `train` does: `training.avoid_cudnn_attention`),
 decoding with the weights in that dtype, CTranslate2 with that compute type (int8: int8_<dtype>).
 Multi30k is read from `--data-dir` (default: ../shared/data/multi30k beside the repository); nothing
 from it is written to the repository.
+
+With `--rounds N` every child runs N times, the engines of a task back to back and in the reverse order
+every other round; each engine's fastest round fills the table, a second table gives the median of the
+rounds' ratios, and the JSON keeps every round's speed (`round_speeds`) and the share of the machine's
+CPU time other virtual machines took while the child ran (`round_steal`, from /proc/stat).
 """
 
 import argparse
@@ -602,7 +607,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="a trained model directory: adds `translate`")
     parser.add_argument("--translate-batches", type=int, default=8, help="batches of 32 test sentences (default: 8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats; the best counts (default: 3)")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of every child; the best counts (default: 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every child, order alternating (default: 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines run (default: cpu)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="training autocast and decoding dtype; float32 on the CPU (default: float32)")  # fmt: skip
