@@ -611,6 +611,27 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
     assert torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize(
+    ("options", "first_step_rows_per_sentence"), [({}, 1), ({"encoder_no_repeat_ngram_size": 3}, 4)]
+)
+def test_beam_search_decodes_one_row_per_sentence_at_the_first_step(
+    trained_model_dir, test_sentences, options, first_step_rows_per_sentence
+):
+    # The num_beams rows of a sentence are identical before the first step: one of them is enough, unless a
+    # logits processor reads the beams of a sentence together.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(test_sentences[0][:6], padding=True, return_tensors="pt")
+    rows = []
+    model.model.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        model.generate(**inputs, num_beams=4, **options)
+    assert rows[0] == 6 * first_step_rows_per_sentence
+    assert rows[1] == 6 * 4
+
+
 def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
     # Appends past its first capacity (32 positions) and reorders, dropping rows on the way.
     torch.manual_seed(0)

@@ -1329,12 +1329,13 @@ def beam_search(
     """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
 
     It chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
-    with less work per step (README, Performance): the beams of a sentence share one copy of its
-    encoder output and of the cross-attention keys and values; a sentence with num_beams finished
-    hypotheses leaves the batch (its rows of the caches, the encoder output and the mask go); the
-    self-attention cache is kept in `BeamSearchCacheLayer`s; token masks among the logits processors
-    are applied as one addition; a candidate's sequence is built only when it ends, and finished
-    hypotheses are merged only on steps where some end. A hypothesis Y that ends scores log P(Y|X) /
+    with less work per step (README, Performance): the first step decodes one row per sentence, not
+    num_beams identical ones; the beams of a sentence share one copy of its encoder output and of the
+    cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the batch
+    (its rows of the caches, the encoder output and the mask go); the self-attention cache is kept in
+    `BeamSearchCacheLayer`s; token masks among the logits processors are applied as one addition; a
+    candidate's sequence is built only when it ends, and finished hypotheses are merged only on steps
+    where some end. A hypothesis Y that ends scores log P(Y|X) /
     length_penalty(|Y|, alpha), |Y| counting the generated tokens with `</s>`. Sentences stay in the
     batch, as in HF's loop, when a logits processor keeps state per sentence that this function
     cannot narrow.
@@ -1374,11 +1375,14 @@ def beam_search(
     is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
 
     # The running beams of the sentences still in the batch (`active`, by their index in the batch).
+    # All beams of a sentence start alike. Where every processor reads each row alone, the first step
+    # runs one row per sentence, whose best continuations become its beams; otherwise it runs them all,
+    # and only the first of each sentence may expand.
     active = torch.arange(batch, device=device)
-    sequences = input_ids.new_full((rows, max_length), fill)
-    sequences[:, :prompt_len] = input_ids
-    # All beams of a sentence start alike: only the first may expand at the first step.
-    scores = torch.zeros(batch, num_beams, device=device)
+    first_rows = input_ids[::num_beams] if can_drop else input_ids
+    sequences = input_ids.new_full((first_rows.shape[0], max_length), fill)
+    sequences[:, :prompt_len] = first_rows
+    scores = torch.zeros(batch, first_rows.shape[0] // batch, device=device)
     scores[:, 1:] = -1.0e9
     layers = [BeamSearchCacheLayer() for _ in range(model.config.decoder_layers)]
     cache = EncoderDecoderCache(Cache(layers=layers), model_kwargs["past_key_values"].cross_attention_cache)
@@ -1401,10 +1405,11 @@ def beam_search(
         if token_masks:
             log_probs += token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))
         log_probs = logits_processor(sequences[:, :length], log_probs)
-        candidates = log_probs.view(len(active), num_beams, vocab_size).add_(scores[..., None]).view(len(active), -1)
-        candidate_scores, candidate_ids = top_k(candidates, num_candidates)
+        beams = scores.shape[1]
+        candidates = log_probs.view(len(active), beams, vocab_size).add_(scores[..., None]).view(len(active), -1)
+        candidate_scores, candidate_ids = top_k(candidates, min(num_candidates, candidates.shape[1]))
         sentence_rows = torch.arange(len(active), device=device)[:, None]
-        candidate_rows = candidate_ids // vocab_size + sentence_rows * num_beams
+        candidate_rows = candidate_ids // vocab_size + sentence_rows * beams
         candidate_tokens = candidate_ids % vocab_size
         ends = torch.isin(candidate_tokens, eos) | (length + 1 >= max_length)
 
