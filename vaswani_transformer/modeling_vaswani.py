@@ -748,7 +748,12 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
             grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
             grad.scatter_add_(-1, kept_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
             grad_kept[rows] = grad.to(weight.dtype) @ weight
-            grad_weight += grad.t().to(hidden.dtype) @ kept_hidden[rows]
+            if hidden.dtype == dtype:
+                # Accumulated by the product itself: a separate addition would pass over all of W's gradient
+                # again, as long as the product with the paper's vocabulary on the CPU (README, Performance).
+                grad_weight.addmm_(grad.t(), kept_hidden[rows])
+            else:  # mixed precision: the product in the hidden states' dtype, accumulated in float32
+                grad_weight += grad.t().to(hidden.dtype) @ kept_hidden[rows]
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
         grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_kept)
