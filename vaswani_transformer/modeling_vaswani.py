@@ -1340,9 +1340,9 @@ def beam_search(
     (its rows of the caches, the encoder output and the mask go); the self-attention cache is kept in
     `BeamSearchCacheLayer`s; token masks among the logits processors are applied as one addition; a
     candidate's sequence is built only when it ends, and finished hypotheses are merged only on steps
-    where some end. A hypothesis Y that ends scores log P(Y|X) /
-    length_penalty(|Y|, alpha), |Y| counting the generated tokens with `</s>`. Sentences stay in the
-    batch, as in HF's loop, when a logits processor keeps state per sentence that this function
+    where some end. A hypothesis Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y|
+    counting the generated tokens with `</s>`. Sentences stay in the batch, and the first step runs
+    every row, as in HF's loop, when a logits processor keeps state per sentence that this function
     cannot narrow.
 
     Args:
