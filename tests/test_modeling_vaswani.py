@@ -292,7 +292,15 @@ def test_presets_are_table_3():
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(65e6, rel=0.05)
 
 
-def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_logits():
+@pytest.mark.parametrize("drop_ignored", [True, False])  # the CPU's way, and the accelerators'
+def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_logits(drop_ignored):
+    def fused_loss(hidden, weight, labels, epsilon, bias=None, items=None):
+        bias = bias.flatten() if bias is not None else None
+        loss = modeling_vaswani.LinearLabelSmoothedCrossEntropy.apply(
+            hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
+        )
+        return loss / (labels.ne(-100).sum() if items is None else items)
+
     torch.manual_seed(0)
     # 20,000 classes: the CPU chunk is 256 positions, so 3 x 200 positions take three chunks.
     hidden = torch.randn(3, 200, 16, dtype=torch.float64, requires_grad=True)
@@ -301,7 +309,7 @@ def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_
     labels = torch.randint(0, 20_000, (3, 200))
     labels[0, 150:] = -100
     for epsilon, logit_bias, items in ((0.0, None, None), (0.1, bias, None), (0.3, None, 1000)):
-        fused = linear_label_smoothed_cross_entropy(hidden, weight, labels, epsilon, logit_bias, items)
+        fused = fused_loss(hidden, weight, labels, epsilon, logit_bias, items)
         logits = F.linear(hidden, weight) + (0 if logit_bias is None else logit_bias)
         reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon, reduction="sum")
         reference = reference / (labels.ne(-100).sum() if items is None else items)
@@ -311,7 +319,7 @@ def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_
             torch.testing.assert_close(ours, theirs)
     small = (hidden[:1, :5, :4].detach().requires_grad_(), weight[:11, :4].detach().requires_grad_())
     small_labels = labels[:1, :5] % 11
-    assert torch.autograd.gradcheck(lambda h, w: linear_label_smoothed_cross_entropy(h, w, small_labels, 0.1), small)
+    assert torch.autograd.gradcheck(lambda h, w: fused_loss(h, w, small_labels, 0.1), small)
 
 
 def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(

@@ -703,13 +703,15 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     the gradients of the hidden states, W and b, so that the (positions x V) logits never exist
     whole: for a batch of 25,000 target tokens on one device and a 37,000-token vocabulary (the
     paper's sizes) they would take 3.7 GB in float32, and their gradient as much again. Ignored
-    positions (padding) add nothing to the loss and get zero gradients, so their logits are never
-    computed.
+    positions (padding) add nothing to the loss and get zero gradients. With `drop_ignored` their logits
+    are never computed; without, they are computed and weighted 0, which spares the host the number of
+    positions kept: a synchronisation that on an accelerator would stall the queue of kernels.
 
-    `apply(hidden, weight, bias, labels, epsilon)` takes `(positions, d_model)` hidden states, the
-    `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored) and epsilon, and
-    returns the summed loss in nats, a scalar in at least float32. Its gradients are constants of the
-    forward pass: differentiating them again raises RuntimeError (`once_differentiable`).
+    `apply(hidden, weight, bias, labels, epsilon, drop_ignored)` takes `(positions, d_model)` hidden
+    states, the `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored),
+    epsilon and a bool, and returns the summed loss in nats, a scalar in at least float32. Its
+    gradients are constants of the forward pass: differentiating them again raises RuntimeError
+    (`once_differentiable`).
     """
 
     @staticmethod
@@ -720,6 +722,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         epsilon: float,
+        drop_ignored: bool,
     ) -> torch.Tensor:
         vocab_size = weight.shape[0]
         # On the CPU, chunks of about 8 MiB of float32 logits reuse freed memory instead of faulting in fresh
@@ -727,36 +730,44 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         # launches few. At least 256 positions a chunk keep the matrix products efficient.
         budget = 2**21 if hidden.device.type == "cpu" else 2**27
         chunk = max(256, budget // vocab_size)
-        keep = labels.ne(-100)
-        kept_hidden, kept_labels = hidden[keep], labels[keep][:, None]
         dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
+        keep = labels.ne(-100)
+        computed_hidden = hidden[keep] if drop_ignored else hidden
+        computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
+        weights = None if drop_ignored else keep[:, None].to(dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        grad_kept = torch.empty_like(kept_hidden, dtype=dtype)
+        grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
         grad_weight = torch.zeros_like(weight, dtype=dtype)
         grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
-        for start in range(0, kept_hidden.shape[0], chunk):
+        for start in range(0, computed_hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(kept_hidden[rows], weight, bias).to(dtype)
-            target_logit = logits.gather(-1, kept_labels[rows]).squeeze(-1)
+            logits = F.linear(computed_hidden[rows], weight, bias).to(dtype)
+            target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
             mean_logit = logits.mean(dim=-1)
             # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
             max_logit = logits.amax(dim=-1, keepdim=True)
             probabilities = logits.sub_(max_logit).exp_()
             normaliser = probabilities.sum(dim=-1, keepdim=True)
             log_z = (max_logit + normaliser.log()).squeeze(-1)
-            loss += (log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit).sum()
+            losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
             grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
-            grad.scatter_add_(-1, kept_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
-            grad_kept[rows] = grad.to(weight.dtype) @ weight
+            grad.scatter_add_(-1, computed_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+            if weights is not None:
+                losses = losses * weights[rows, 0]
+                grad.mul_(weights[rows])
+            loss += losses.sum()
+            grad_computed[rows] = grad.to(weight.dtype) @ weight
             if hidden.dtype == dtype:
                 # Accumulated by the product itself: a separate addition would pass over all of W's gradient
                 # again, as long as the product with the paper's vocabulary on the CPU (README, Performance).
-                grad_weight.addmm_(grad.t(), kept_hidden[rows])
+                grad_weight.addmm_(grad.t(), computed_hidden[rows])
             else:  # mixed precision: the product in the hidden states' dtype, accumulated in float32
-                grad_weight += grad.t().to(hidden.dtype) @ kept_hidden[rows]
+                grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
-        grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_kept)
+        grad_hidden = grad_computed
+        if drop_ignored:  # back to every position, zero where ignored
+            grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return loss
@@ -767,7 +778,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         # Scaled in float32 first, then cast: a loss scale (float16 training) acts before any rounding.
         grads = [g * grad_output if g is not None else None for g in ctx.saved_tensors]
         grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)]
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def linear_label_smoothed_cross_entropy(
@@ -799,7 +810,11 @@ def linear_label_smoothed_cross_entropy(
         RuntimeError: the shapes of `hidden` and `weight` do not fit (from the matrix product).
     """
     bias = bias.flatten() if bias is not None else None
-    loss = LinearLabelSmoothedCrossEntropy.apply(hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon)
+    # Ignored positions are left out on the CPU only: elsewhere it would cost a host synchronisation per step.
+    drop_ignored = hidden.device.type == "cpu"
+    loss = LinearLabelSmoothedCrossEntropy.apply(
+        hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
+    )
     return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
 
 
