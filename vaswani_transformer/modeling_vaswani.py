@@ -737,11 +737,21 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         weights = None if drop_ignored else keep[:, None].to(dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
+        # Every chunk's logits go to one buffer. A fresh block of this size is page-faulted in anew on the CPU,
+        # which had the product writing it run at half the speed of the others (README, Performance).
+        logits_buffer = hidden.new_empty(min(chunk, computed_hidden.shape[0]), vocab_size, dtype=dtype)
+        mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
         grad_weight = torch.zeros_like(weight, dtype=dtype)
         grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
         for start in range(0, computed_hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(computed_hidden[rows], weight, bias).to(dtype)
+            logits = logits_buffer[: computed_hidden[rows].shape[0]]
+            if mixed:
+                logits.copy_(F.linear(computed_hidden[rows], weight, bias))
+            elif bias is not None:
+                torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+            else:
+                torch.mm(computed_hidden[rows], weight.t(), out=logits)
             target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
             mean_logit = logits.mean(dim=-1)
             # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
@@ -757,12 +767,12 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 grad.mul_(weights[rows])
             loss += losses.sum()
             grad_computed[rows] = grad.to(weight.dtype) @ weight
-            if hidden.dtype == dtype:
+            if mixed:  # the product in the hidden states' dtype, accumulated in float32
+                grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
+            else:
                 # Accumulated by the product itself: a separate addition would pass over all of W's gradient
                 # again, as long as the product with the paper's vocabulary on the CPU (README, Performance).
                 grad_weight.addmm_(grad.t(), computed_hidden[rows])
-            else:  # mixed precision: the product in the hidden states' dtype, accumulated in float32
-                grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
         grad_hidden = grad_computed
