@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from conftest import tiny_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
 from transformers.generation import logits_process
 
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, modeling_vaswani
@@ -127,7 +127,10 @@ def test_later_decoder_inputs_never_change_earlier_logits(tokenizer, test_senten
     assert not torch.allclose(original[:, 5:], altered[:, 5:])
 
 
-def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences):
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences, cache_kind):
+    # A dynamic cache holds only the positions seen, so a single new query needs no mask; a static one also
+    # holds empty slots, which the causal mask must hide.
     model = tiny_model(tokenizer)
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
@@ -135,6 +138,9 @@ def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, tes
         full = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=decoder_input_ids).logits
         encoder_outputs = model.get_encoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         cache, steps = None, []
+        if cache_kind == "static":
+            self_attention = StaticCache(config=model.config, max_cache_len=decoder_input_ids.shape[1] + 8)
+            cache = EncoderDecoderCache(self_attention, DynamicCache(config=model.config))
         for t in range(decoder_input_ids.shape[1]):
             out = model(
                 attention_mask=batch["attention_mask"],
