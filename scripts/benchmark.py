@@ -38,6 +38,12 @@ With `--rounds N` every child runs N times, the engines of a task back to back a
 every other round; each engine's fastest round fills the table, a second table gives the median of the
 rounds' ratios, and the JSON keeps every round's speed (`round_speeds`) and the share of the machine's
 CPU time other virtual machines took while the child ran (`round_steal`, from /proc/stat).
+
+With `--train-turns` one more child per preset trains ours and Marian in the same process, taking turns
+step by step on the same batches (which engine goes first alternates), and reports each one's tokens per
+second and their ratio (`train_turns`): a second view of training, in which a machine whose speed drifts
+between processes (a virtual machine whose neighbours come and go) slows both engines alike, though the
+two then share one process's memory allocator and caches.
 """
 
 import argparse
@@ -50,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,9 +135,9 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
                        for batch in test_batches]  # fmt: skip
         (directory / "translate_tokens.json").write_text(json.dumps(test_tokens))
         info["translate_sentences"] = len(test)
-    info["train_tokens_per_step"] = sum(
-        int(b["attention_mask"].sum() + b["labels"].ne(-100).sum()) for b in batches[args.train_warmup :]
-    ) / max(1, len(batches) - args.train_warmup)
+    info["train_tokens_per_step"] = sum(real_tokens(b) for b in batches[args.train_warmup :]) / max(
+        1, len(batches) - args.train_warmup
+    )
     return info
 
 
@@ -267,6 +274,16 @@ def markdown(report: dict) -> str:
                 cells = [median_ratio(speeds, other) for other in ("marian", "ct2")]
                 lines.append(f"| {group}, {task} | {' | '.join(cells)} |")
         lines.append("")
+    if report.get("train_turns"):
+        lines += ["Training with both engines in one process, taking turns step by step (`--train-turns`):", ""]
+        for preset, result in report["train_turns"].items():
+            rate = result["tokens_per_second"]
+            lines.append(
+                f"- {preset}: ours {rate['ours']:,.0f}, Marian {rate['marian']:,.0f} tokens/s, ours / Marian "
+                f"{result['ratio']:.2f}x (median of the per-step ratios {result['step_ratio_median']:.2f}x"
+                + (f"; {result['cpu_steal']:.1%} of the CPU time stolen)" if "cpu_steal" in result else ")")
+            )
+        lines.append("")
     steals = [
         (steal, f"{engine} {task} {group}, round {index + 1}")
         for group, tasks in report.get("round_steal", {}).items()
@@ -335,6 +352,13 @@ def parent(args: argparse.Namespace) -> None:
                     # Forced lengths make the work equal; a trained model's engines may differ by a few tokens.
                     if task in ("beam", "greedy") and len(generated) > 1:
                         raise RuntimeError(f"{task} decoding gave different numbers of tokens per engine: {generated}")
+        if args.train_turns and "train" in args.tasks and {"ours", "marian"} <= set(args.engines):
+            report["train_turns"] = {}
+            for preset in args.presets:
+                result = run_child(args, workdir, preset, "both", "train-turns")
+                report["train_turns"][preset] = result
+                print(f"{preset:7} {'train':9} {'taking turns':12} ours / Marian {result['ratio']:.2f}x, per-step "
+                      f"median {result['step_ratio_median']:.2f}x", file=sys.stderr, flush=True)  # fmt: skip
     report.update(
         machine=machine(args.device),
         device=args.device,
@@ -395,8 +419,12 @@ def ct2_translator(engine: str, directory: Path, args: argparse.Namespace) -> "c
     )
 
 
-def child_train(engine: str, args: argparse.Namespace) -> dict:
-    """Training throughput of `engine` ("ours" or "marian"): real source + target tokens per second."""
+def training_step(engine: str, args: argparse.Namespace) -> Callable[[dict], "torch.Tensor"]:  # noqa: F821
+    """Load `engine` ("ours" or "marian") for training; return a function that runs one step on a batch: its loss.
+
+    Raises:
+        OSError: the preset's model is missing from the work folder (from `from_pretrained`).
+    """
     import torch
     import torch.nn.functional as F
 
@@ -432,22 +460,74 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
     # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.
     autocast = torch.autocast(args.device, dtype=getattr(torch, args.dtype), enabled=args.dtype != "float32")
     scaler = torch.amp.GradScaler(args.device, enabled=args.dtype == "float16")
-    batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "train_batches.pt")]
-    tokens, elapsed = 0, 0.0
-    for step, batch in enumerate(batches):
-        synchronize(args)
-        start = time.perf_counter()
+
+    def step(batch: dict) -> "torch.Tensor":
         with autocast:
             loss = loss_of(batch)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def real_tokens(batch: dict) -> int:
+    """A training batch's non-padding source + target tokens."""
+    return int(batch["attention_mask"].sum() + batch["labels"].ne(-100).sum())
+
+
+def child_train(engine: str, args: argparse.Namespace) -> dict:
+    """Training throughput of `engine` ("ours" or "marian"): real source + target tokens per second."""
+    import torch
+
+    step = training_step(engine, args)
+    batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "train_batches.pt")]
+    tokens, elapsed = 0, 0.0
+    for index, batch in enumerate(batches):
         synchronize(args)
-        if step >= args.train_warmup:
+        start = time.perf_counter()
+        loss = step(batch)
+        synchronize(args)
+        if index >= args.train_warmup:
             elapsed += time.perf_counter() - start
-            tokens += int(batch["attention_mask"].sum() + batch["labels"].ne(-100).sum())
+            tokens += real_tokens(batch)
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_second": tokens / elapsed, "final_loss": loss.item()}
+
+
+def child_train_turns(args: argparse.Namespace) -> dict:
+    """Training throughput of ours and Marian in one process, taking turns step by step (which goes first alternates).
+
+    A machine whose speed drifts between the fresh processes of `child_train` (other tenants of a virtual
+    machine) slows both engines alike here. Returns each engine's tokens per second, the ratio ours / Marian
+    and the median of the per-step ratios.
+    """
+    import torch
+
+    steps = {engine: training_step(engine, args) for engine in ("ours", "marian")}
+    batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "train_batches.pt")]
+    seconds, step_ratios, tokens = {"ours": 0.0, "marian": 0.0}, [], 0
+    for index, batch in enumerate(batches):
+        taken = {}
+        for engine in ("ours", "marian") if index % 2 == 0 else ("marian", "ours"):
+            synchronize(args)
+            start = time.perf_counter()
+            steps[engine](batch)
+            synchronize(args)
+            taken[engine] = time.perf_counter() - start
+        if index >= args.train_warmup:
+            for engine, elapsed in taken.items():
+                seconds[engine] += elapsed
+            tokens += real_tokens(batch)
+            step_ratios.append(taken["marian"] / taken["ours"])
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": {engine: tokens / elapsed for engine, elapsed in seconds.items()},
+        "ratio": seconds["marian"] / seconds["ours"],
+        "step_ratio_median": statistics.median(step_ratios),
+    }
 
 
 def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict:
@@ -575,6 +655,8 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if task == "train":
         result = child_train(engine, args)
+    elif task == "train-turns":
+        result = child_train_turns(args)
     elif task == "translate":
         result = child_translate(engine, args)
     elif engine.startswith("ct2"):
@@ -602,6 +684,8 @@ def main() -> None:
     parser.add_argument("--train-sentences", type=int, default=4000, help="training pairs the batches are cut from")
     parser.add_argument("--train-warmup", type=int, default=2, help="untimed training steps first (default: 2)")
     parser.add_argument("--train-steps", type=int, default=10, help="timed training steps (default: 10)")
+    parser.add_argument("--train-turns", action="store_true",
+                        help="also train ours and Marian in one process, taking turns step by step")  # fmt: skip
     parser.add_argument("--decode-batches", type=int, default=2, help="batches of 32 test sentences (default: 2)")
     parser.add_argument("--decode-length", type=int, default=24, help="tokens generated per sentence (default: 24)")
     parser.add_argument("--model", type=Path, default=None, help="a trained model directory: adds `translate`")
