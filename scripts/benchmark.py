@@ -502,6 +502,9 @@ def child_train_turns(args: argparse.Namespace) -> dict:
     A machine whose speed drifts between the fresh processes of `child_train` (other tenants of a virtual
     machine) slows both engines alike here. Returns each engine's tokens per second, the ratio ours / Marian
     and the median of the per-step ratios.
+
+    Raises:
+        OSError: a preset's model is missing from the work folder (from `training_step`).
     """
     import torch
 

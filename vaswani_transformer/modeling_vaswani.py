@@ -731,8 +731,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         drop_ignored: bool,
     ) -> torch.Tensor:
         vocab_size = weight.shape[0]
-        # On the CPU, chunks of about 8 MiB of float32 logits reuse freed memory instead of faulting in fresh
-        # pages (glibc maps blocks over 32 MiB anew each time); on accelerators, large chunks keep the kernel
+        # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
         # launches few. At least 256 positions a chunk keep the matrix products efficient.
         budget = 2**21 if hidden.device.type == "cpu" else 2**27
         chunk = max(256, budget // vocab_size)
@@ -743,8 +742,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         weights = None if drop_ignored else keep[:, None].to(dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
-        # Every chunk's logits go to one buffer. A fresh block of this size is page-faulted in anew on the CPU,
-        # which had the product writing it run at half the speed of the others (README, Performance).
+        # Every chunk's logits go to one buffer: on the CPU a fresh block per chunk was page-faulted in anew, and
+        # the product writing it ran at half the speed of the others (README, Performance).
         logits_buffer = hidden.new_empty(min(chunk, computed_hidden.shape[0]), vocab_size, dtype=dtype)
         mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
         grad_weight = torch.zeros_like(weight, dtype=dtype)
