@@ -190,10 +190,14 @@ def test_sdpa_and_eager_attention_agree_and_eager_returns_every_attention_map(to
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     sdpa = tiny_model(tokenizer, seed=3)
     eager = tiny_model(tokenizer, seed=3, attn_implementation="eager")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs["decoder_input_ids"] = sdpa.prepare_decoder_input_ids_from_labels(batch["labels"])
+    kernel = sdpa(**inputs)  # with gradients enabled, every attention runs PyTorch's fused kernel
     with torch.no_grad():
-        a = sdpa(**batch)
+        mixed = sdpa(**inputs)  # without, short inputs take the eager path on the CPU
         b = eager(**batch, output_attentions=True)
-    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel.logits, b.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed.logits, b.logits, atol=1e-5, rtol=1e-5)
     source_len, target_len = batch["input_ids"].shape[1], batch["labels"].shape[1]
     assert len(b.encoder_attentions) == len(b.decoder_attentions) == len(b.cross_attentions) == 2
     assert b.encoder_attentions[0].shape == (3, 4, source_len, source_len)

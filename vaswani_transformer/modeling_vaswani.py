@@ -124,6 +124,24 @@ def scaled_dot_product_attention(
     return output, weights
 
 
+def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    # PyTorch's fused CPU kernel has a fixed cost of some 0.2 ms a call, more than the whole of Eq. 1
+    # spelled out for a few queries (README, Performance): one query per sentence (self-attention at
+    # every decoding step), the num_beams queries of a sentence in beam search's cross-attention, or
+    # an encoder's short sentences at translation time. Measured without gradients only: in training
+    # the two took as long. Where the SDPA mask builder left a causal mask to the kernel's `is_causal`
+    # (mask None), the eager path would not mask, so that case stays with the kernel.
+    if query.device.type != "cpu":
+        return False
+    if query.shape[2] == 1:
+        return True
+    return (
+        not torch.is_grad_enabled()
+        and query.shape[2] * key.shape[2] <= 1024
+        and (mask is not None or not module.is_causal)
+    )
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
 
@@ -207,10 +225,7 @@ class MultiHeadAttention(nn.Module):
                     past_key_values.is_updated[self.layer_idx] = True
 
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and query.shape[2] == 1 and query.device.type == "cpu":
-            # One query per sentence, as in self-attention at every step of incremental decoding: on the
-            # CPU, PyTorch's fused kernel costs about twice the two small matrix products of Eq. 1 (README,
-            # Performance). Cross-attention in beam search has num_beams queries per sentence and keeps it.
+        if implementation == "sdpa" and _eager_is_faster(self, query, key, attention_mask):
             implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         output, weights = attention(
