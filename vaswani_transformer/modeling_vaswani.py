@@ -1234,7 +1234,7 @@ _ROW_WISE_PROCESSORS = (
 # HF's versions each pass over all (rows, vocab) scores with torch.where: with min_length,
 # min_new_tokens and suppress_tokens, three times the output projection in beam search over a small
 # model on the CPU (README, Performance; the paper's configuration has only suppress_tokens).
-# Evaluated on one row of zeros they give a 0 / -inf mask that is added once.
+# Evaluated on one row of zeros they give a 0 / -inf mask, whose -inf columns are then filled.
 _TOKEN_MASKS = (
     logits_process.MinLengthLogitsProcessor,
     logits_process.MinNewTokensLengthLogitsProcessor,
@@ -1383,7 +1383,7 @@ def beam_search(
     num_beams identical ones; the beams of a sentence share one copy of its encoder output and of the
     cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the batch
     (its rows of the caches, the encoder output and the mask go); the self-attention cache is kept in
-    `BeamSearchCacheLayer`s; token masks among the logits processors are applied as one addition; a
+    `BeamSearchCacheLayer`s; token masks among the logits processors fill the columns they forbid; a
     candidate's sequence is built only when it ends, and finished hypotheses are merged only on steps
     where some end. A hypothesis Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y|
     counting the generated tokens with `</s>`. Sentences stay in the batch, and the first step runs
@@ -1453,7 +1453,9 @@ def beam_search(
         log_probs = logits.float().log_softmax(dim=-1)
         vocab_size = log_probs.shape[-1]
         if token_masks:
-            log_probs += token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))
+            # A handful of forbidden tokens: filling their columns spares a pass over all the scores.
+            mask = token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))[0]
+            log_probs.index_fill_(1, (mask == float("-inf")).nonzero().squeeze(1), float("-inf"))
         log_probs = logits_processor(sequences[:, :length], log_probs)
         beams = scores.shape[1]
         candidates = log_probs.view(len(active), beams, vocab_size).add_(scores[..., None]).view(len(active), -1)
