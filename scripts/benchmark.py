@@ -685,7 +685,8 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8000, help="BPE vocabulary (default: 8000, as main_job.sh)")
     parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per side and training batch")
     parser.add_argument("--train-sentences", type=int, default=4000, help="training pairs the batches are cut from")
-    parser.add_argument("--train-warmup", type=int, default=2, help="untimed training steps first (default: 2)")
+    parser.add_argument("--train-warmup", type=int, default=3,
+                        help="untimed steps first, while a fresh process faults in memory (default: 3)")  # fmt: skip
     parser.add_argument("--train-steps", type=int, default=10, help="timed training steps (default: 10)")
     parser.add_argument("--train-turns", action="store_true",
                         help="also train ours and Marian in one process, taking turns step by step")  # fmt: skip
