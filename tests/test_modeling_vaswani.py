@@ -15,6 +15,7 @@ from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, 
 from vaswani_transformer.modeling_vaswani import (
     SinusoidalPositionalEncoding,
     label_smoothed_cross_entropy,
+    linear,
     linear_label_smoothed_cross_entropy,
     residual_dropout,
     shift_tokens_right,
@@ -52,6 +53,60 @@ def test_embeddings_are_scaled_by_sqrt_d_model(tokenizer):
     embedded = model.model.encoder.embeddings(ids)
     expected = model.model.shared(ids) * math.sqrt(32) + SinusoidalPositionalEncoding(32)(torch.arange(3))
     torch.testing.assert_close(embedded, expected)
+
+
+needs_onednn = pytest.mark.skipif(modeling_vaswani._ONEDNN_LINEAR is None, reason="PyTorch built without oneDNN")
+
+
+def _float32_leaves(*tensors):
+    return [t.detach().float().requires_grad_() if t is not None else None for t in tensors]
+
+
+@needs_onednn
+@pytest.mark.parametrize("strided", [False, True])
+def test_linear_through_onednn_gives_the_products_and_gradients_of_f_linear(strided):
+    torch.manual_seed(0)
+    input = torch.randn(37, 4, 256, dtype=torch.float64).transpose(0, 1) if strided else torch.randn(4, 37, 256)
+    leaves = [t.double().requires_grad_() for t in (input, torch.randn(512, 256) / 16, torch.randn(512))]
+    upstream = torch.randn(4, 37, 512, dtype=torch.float64)
+    reference = F.linear(*leaves)
+    expected = (reference, *torch.autograd.grad(reference, leaves, upstream))
+    ours = _float32_leaves(*leaves)
+    output = linear(*ours)
+    assert type(output.grad_fn).__name__ == "OneDNNLinearBackward"  # the oneDNN path was taken
+    for got, want in zip((output, *torch.autograd.grad(output, ours, upstream.float())), expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * want.abs().max().item())
+    with torch.no_grad():
+        assert torch.equal(linear(*ours), output)
+
+
+@needs_onednn
+def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear():
+    def backward_of(input, weight):
+        return type(linear(input, weight).grad_fn).__name__
+
+    large = torch.randn(64, 256, requires_grad=True), torch.randn(256, 256)  # 2^22 multiply-adds
+    assert backward_of(*large) == "OneDNNLinearBackward"
+    assert backward_of(large[0][:8], large[1]) == "MmBackward0"  # 2^19: oneDNN's call costs more than it saves
+    assert backward_of(large[0].double(), large[1].double()) == "MmBackward0"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(*large).dtype == torch.bfloat16
+
+
+@needs_onednn
+def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 300, 64, dtype=torch.float64) / 4
+    weight, bias = torch.randn(8000, 64, dtype=torch.float64) / 8, torch.randn(8000, dtype=torch.float64)
+    labels = torch.randint(0, 8000, (2, 300))
+    labels[1, 200:] = -100
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    reference = label_smoothed_cross_entropy(F.linear(*leaves), labels, 0.1)
+    expected = (reference, *torch.autograd.grad(reference, leaves))
+    ours = _float32_leaves(*leaves)
+    loss = linear_label_smoothed_cross_entropy(ours[0], ours[1], labels, 0.1, bias=ours[2])
+    for got, want in zip((loss, *torch.autograd.grad(loss, ours)), expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_attention_projections_have_no_bias():

@@ -80,6 +80,98 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """
 
 
+# Linear maps x W^T + b: every projection of §3.2.2, §3.3 and §3.4 -------------------------------
+
+
+def _onednn_linear_op() -> Callable | None:
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+    except (AttributeError, RuntimeError):  # a PyTorch built without oneDNN
+        return None
+
+
+# PyTorch computes float32 products on the CPU with MKL, which on AMD processors leaves AVX-512 unused: there its
+# own oneDNN computes them 2 to 2.7 times as fast (README, Performance), but PyTorch sends only bfloat16 and
+# float16 products to oneDNN. This is the operator `torch.compile` itself emits for linear layers on the CPU.
+_ONEDNN_LINEAR = _onednn_linear_op()
+# oneDNN costs about 10 us more a call, which only products of at least 2^21 multiply-adds earn back.
+_ONEDNN_MIN_PRODUCT = 2**21
+
+
+def _uses_onednn(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        _ONEDNN_LINEAR is not None
+        and input.device.type == "cpu"
+        and input.dim() >= 2
+        and input.dtype == weight.dtype == torch.float32
+        and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """x W^T + b and its gradients, each product computed by oneDNN: see `linear`.
+
+    `apply(input, weight, bias)` takes `(*, in_features)` float32 CPU input, an `(out_features,
+    in_features)` weight and an `(out_features,)` bias or None, and returns `(*, out_features)`.
+    Gradients are not differentiable again (`once_differentiable`): differentiating them raises RuntimeError.
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.has_bias = bias is not None
+        return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
+            grad_input = _ONEDNN_LINEAR(grad_output, weight.t(), None, "none", [], "")
+        if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x: a linear map of (dL/dy)^T whose weight is x^T
+            grad_rows, input_rows = grad_output.flatten(0, -2), input.flatten(0, -2)
+            grad_weight = _ONEDNN_LINEAR(grad_rows.t(), input_rows.t(), None, "none", [], "")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.flatten(0, -2).sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, as `torch.nn.functional.linear`, through oneDNN for float32 products on the CPU.
+
+    The same function and gradients as `F.linear` to float32 rounding, but its products run up to
+    2.7 times as fast where MKL, PyTorch's usual library for them, leaves the CPU's vector units
+    partly idle (AMD processors; README, Performance). Products of fewer than 2^21
+    multiply-adds, other dtypes and devices, autocast and `torch.compile` take `F.linear`.
+
+    Args:
+        input: `(*, in_features)`.
+        weight: `(out_features, in_features)`.
+        bias: `(out_features,)`, or None.
+
+    Returns:
+        `(*, out_features)`.
+
+    Raises:
+        RuntimeError: the shapes do not fit (from the product).
+    """
+    if not _uses_onednn(input, weight):
+        return F.linear(input, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return OneDNNLinear.apply(input, weight, bias)
+    return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` computed by `linear`: the same parameters, initialisation and state dict, `(*, in) -> (*, out)`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias)
+
+
 # §3.2 Attention ----------------------------------------------------------------------------------
 
 
@@ -167,10 +259,10 @@ class MultiHeadAttention(nn.Module):
         self.is_causal = is_causal
         self.is_cross_attention = is_cross_attention
         keys_width, values_width = self.num_heads * config.key_dim, self.num_heads * config.value_dim
-        self.q_proj = nn.Linear(config.d_model, keys_width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.d_model, keys_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.d_model, values_width, bias=config.attention_bias)
-        self.out_proj = nn.Linear(values_width, config.d_model, bias=config.attention_bias)
+        self.q_proj = Linear(config.d_model, keys_width, bias=config.attention_bias)
+        self.k_proj = Linear(config.d_model, keys_width, bias=config.attention_bias)
+        self.v_proj = Linear(config.d_model, values_width, bias=config.attention_bias)
+        self.out_proj = Linear(values_width, config.d_model, bias=config.attention_bias)
 
     def _split_heads(self, states: torch.Tensor) -> torch.Tensor:
         # (batch, length, heads * d) -> (batch, heads, length, d)
@@ -253,8 +345,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, config: VaswaniConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.d_ff)
-        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.fc1 = Linear(config.d_model, config.d_ff)
+        self.fc2 = Linear(config.d_ff, config.d_model)
         self.activation = ACT2FN[config.activation_function]
         self.activation_dropout = config.activation_dropout
 
@@ -757,21 +849,25 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         weights = None if drop_ignored else keep[:, None].to(dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
-        # Every chunk's logits go to one buffer: on the CPU a fresh block per chunk was page-faulted in anew, and
-        # the product writing it ran at half the speed of the others (README, Performance).
-        logits_buffer = hidden.new_empty(min(chunk, computed_hidden.shape[0]), vocab_size, dtype=dtype)
         mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
+        onednn = _uses_onednn(computed_hidden, weight)
+        # Without oneDNN every chunk's logits go to one buffer: MKL's product writing a fresh block, which the CPU
+        # page-faulted in anew, ran at half the speed of the others (README, Performance); oneDNN's does not.
+        logits_buffer = None if onednn else hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
         grad_weight = torch.zeros_like(weight, dtype=dtype)
         grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
         for start in range(0, computed_hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = logits_buffer[: computed_hidden[rows].shape[0]]
-            if mixed:
-                logits.copy_(F.linear(computed_hidden[rows], weight, bias))
-            elif bias is not None:
-                torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+            if onednn:
+                logits = linear(computed_hidden[rows], weight, bias)
             else:
-                torch.mm(computed_hidden[rows], weight.t(), out=logits)
+                logits = logits_buffer[: len(computed_hidden[rows])]
+                if mixed:
+                    logits.copy_(F.linear(computed_hidden[rows], weight, bias))
+                elif bias is not None:
+                    torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+                else:
+                    torch.mm(computed_hidden[rows], weight.t(), out=logits)
             target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
             mean_logit = logits.mean(dim=-1)
             # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
@@ -786,8 +882,10 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 losses = losses * weights[rows, 0]
                 grad.mul_(weights[rows])
             loss += losses.sum()
-            grad_computed[rows] = grad.to(weight.dtype) @ weight
-            if mixed:  # the product in the hidden states' dtype, accumulated in float32
+            grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())
+            if onednn:
+                grad_weight += linear(grad.t(), computed_hidden[rows].t())
+            elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                 grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             else:
                 # Accumulated by the product itself: a separate addition would pass over all of W's gradient
@@ -860,7 +958,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def __init__(self, config: VaswaniConfig) -> None:
         super().__init__(config)
         self.model = VaswaniModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         # Imported HF Marian models add a fixed bias to the logits; the paper has none.
         if config.add_final_logits_bias:
             self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
@@ -963,7 +1061,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return (
             torch.is_grad_enabled()
             and (hidden_states.requires_grad or self.lm_head.weight.requires_grad)
-            and type(self.lm_head) is nn.Linear
+            and type(self.lm_head) in (nn.Linear, Linear)
             and self.lm_head.bias is None
             and not self.lm_head._forward_pre_hooks
             and not hasattr(self.lm_head, "_hf_hook")
