@@ -1,10 +1,10 @@
 """The Transformer of Vaswani et al. (2017), "Attention Is All You Need", as a transformers model.
 
-Read top to bottom, this file follows §3 of the paper: positional encoding (§3.5), scaled
-dot-product and multi-head attention (§3.2), the position-wise feed-forward network (§3.3),
-the residual dropout (§5.4) and the encoder and decoder layers with their residual + LayerNorm
-sublayers (§3.1), the two stacks with their shared embeddings (§3.4), and the model with its
-label-smoothed loss (§5.4).
+Read top to bottom, this file follows §3 of the paper: positional encoding (§3.5), the linear
+maps of every projection, scaled dot-product and multi-head attention (§3.2), the position-wise
+feed-forward network (§3.3), the residual dropout (§5.4) and the encoder and decoder layers with
+their residual + LayerNorm sublayers (§3.1), the two stacks with their shared embeddings (§3.4),
+and the model with its label-smoothed loss (§5.4).
 """
 
 import math
@@ -90,9 +90,10 @@ def _onednn_linear_op() -> Callable | None:
         return None
 
 
-# PyTorch computes float32 products on the CPU with MKL, which on AMD processors leaves AVX-512 unused: there its
-# own oneDNN computes them 2 to 2.7 times as fast (README, Performance), but PyTorch sends only bfloat16 and
-# float16 products to oneDNN. This is the operator `torch.compile` itself emits for linear layers on the CPU.
+# PyTorch computes float32 products on the CPU with MKL, which on AMD processors does not run its AVX-512 code: on
+# an AMD EPYC, oneDNN (also in PyTorch, and also Intel's) computed them 2 to 2.7 times as fast (README, Performance).
+# PyTorch sends only bfloat16 and float16 products to oneDNN; this operator is the one `torch.compile` emits for
+# linear layers on the CPU. CTranslate2 likewise uses MKL only on Intel processors.
 _ONEDNN_LINEAR = _onednn_linear_op()
 # oneDNN costs about 10 us more a call, which only products of at least 2^21 multiply-adds earn back.
 _ONEDNN_MIN_PRODUCT = 2**21
@@ -142,10 +143,12 @@ class OneDNNLinear(torch.autograd.Function):
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b, as `torch.nn.functional.linear`, through oneDNN for float32 products on the CPU.
 
-    The same function and gradients as `F.linear` to float32 rounding, but its products run up to
-    2.7 times as fast where MKL, PyTorch's usual library for them, leaves the CPU's vector units
-    partly idle (AMD processors; README, Performance). Products of fewer than 2^21
-    multiply-adds, other dtypes and devices, autocast and `torch.compile` take `F.linear`.
+    Every projection of the model is one: W^Q, W^K, W^V and W^O (§3.2.2), W_1 and W_2 (§3.3, Eq. 2)
+    and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
+    rounding, but its products run up to 2.7 times as fast where MKL, PyTorch's usual library for
+    them, leaves the CPU's vector units partly idle (AMD processors; README, Performance). Products
+    of fewer than 2^21 multiply-adds, other dtypes and devices, autocast and `torch.compile` take
+    `F.linear`.
 
     Args:
         input: `(*, in_features)`.
