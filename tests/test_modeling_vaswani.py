@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from conftest import tiny_model
+from torch import nn
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
 from transformers.generation import logits_process
@@ -58,6 +59,17 @@ def test_embeddings_are_scaled_by_sqrt_d_model(tokenizer):
 needs_onednn = pytest.mark.skipif(modeling_vaswani._ONEDNN_LINEAR is None, reason="PyTorch built without oneDNN")
 
 
+def _count_onednn_calls(monkeypatch):
+    calls, operator = {"n": 0}, modeling_vaswani._ONEDNN_LINEAR
+
+    def counted(*args):
+        calls["n"] += 1
+        return operator(*args)
+
+    monkeypatch.setattr(modeling_vaswani, "_ONEDNN_LINEAR", counted)
+    return calls
+
+
 def _float32_leaves(*tensors):
     return [t.detach().float().requires_grad_() if t is not None else None for t in tensors]
 
@@ -94,7 +106,50 @@ def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear():
 
 
 @needs_onednn
-def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logits():
+def test_linear_through_onednn_can_be_differentiated_twice():
+    torch.manual_seed(0)
+    leaves = [t.requires_grad_() for t in (torch.randn(64, 256, dtype=torch.float64), torch.randn(256, 256) / 16)]
+    leaves[1] = leaves[1].double().detach().requires_grad_()
+    probe = torch.randn(64, 256, dtype=torch.float64)
+
+    def second_order(linear_map, input, weight):
+        (grad_input,) = torch.autograd.grad((linear_map(input, weight) ** 2).sum(), input, create_graph=True)
+        return torch.autograd.grad((grad_input * probe).sum(), weight)[0]
+
+    expected = second_order(F.linear, *leaves)
+    ours = _float32_leaves(*leaves)
+    assert type(linear(*ours).grad_fn).__name__ == "OneDNNLinearBackward"
+    torch.testing.assert_close(second_order(linear, *ours).double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@needs_onednn
+def test_every_projection_of_a_training_step_goes_through_onednn_and_computes_what_f_linear_computes(
+    tokenizer, test_sentences, monkeypatch
+):
+    model = tiny_model(tokenizer, d_model=256, d_ff=1024, num_attention_heads=4).train()
+    projections = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert projections and all(type(m) is modeling_vaswani.Linear for m in projections)
+    batch = _batch(tokenizer, *test_sentences)
+
+    def loss_and_gradients():
+        torch.manual_seed(0)
+        loss = model(**batch).loss
+        return loss, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    with torch.backends.mkldnn.flags(enabled=False):  # the user's switch: F.linear everywhere
+        expected = loss_and_gradients()
+    calls = _count_onednn_calls(monkeypatch)
+    loss, gradients = loss_and_gradients()
+    # 2 encoder layers of 4 + 2 projections and 2 decoder layers of 4 + 4 + 2, each a product forward and two
+    # backward (every input needs its gradient: the embeddings are trained), then the fused loss's 3 products.
+    assert calls["n"] == 3 * (2 * 6 + 2 * 10) + 3
+    torch.testing.assert_close(loss, expected[0], rtol=1e-5, atol=0)
+    for ours, theirs in zip(gradients, expected[1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+
+
+@needs_onednn
+def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logits(monkeypatch):
     torch.manual_seed(0)
     hidden = torch.randn(2, 300, 64, dtype=torch.float64) / 4
     weight, bias = torch.randn(8000, 64, dtype=torch.float64) / 8, torch.randn(8000, dtype=torch.float64)
@@ -104,7 +159,9 @@ def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logi
     reference = label_smoothed_cross_entropy(F.linear(*leaves), labels, 0.1)
     expected = (reference, *torch.autograd.grad(reference, leaves))
     ours = _float32_leaves(*leaves)
+    calls = _count_onednn_calls(monkeypatch)
     loss = linear_label_smoothed_cross_entropy(ours[0], ours[1], labels, 0.1, bias=ours[2])
+    assert calls["n"] == 3 * 2  # 3 chunks of 256 positions (of 500 kept): logits, dL/dh and dL/dW of each
     for got, want in zip((loss, *torch.autograd.grad(loss, ours)), expected, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 

@@ -91,51 +91,55 @@ def _onednn_linear_op() -> Callable | None:
 
 
 # PyTorch computes float32 products on the CPU with MKL, which on AMD processors does not run its AVX-512 code: on
-# an AMD EPYC, oneDNN (also in PyTorch, and also Intel's) computed them 2 to 2.7 times as fast (README, Performance).
+# an AMD EPYC, oneDNN (also in PyTorch, and also Intel's) computed them 2 to 2.8 times as fast (README, Performance).
 # PyTorch sends only bfloat16 and float16 products to oneDNN; this operator is the one `torch.compile` emits for
-# linear layers on the CPU. CTranslate2 likewise uses MKL only on Intel processors.
+# linear layers on the CPU. CTranslate2 too takes oneDNN rather than MKL on processors other than Intel's.
 _ONEDNN_LINEAR = _onednn_linear_op()
 # oneDNN costs about 10 us more a call, which only products of at least 2^21 multiply-adds earn back.
 _ONEDNN_MIN_PRODUCT = 2**21
 
 
-def _uses_onednn(input: torch.Tensor, weight: torch.Tensor) -> bool:
+def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
+    # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
     return (
         _ONEDNN_LINEAR is not None
-        and input.device.type == "cpu"
+        and torch.backends.mkldnn.enabled
+        and input.device.type == weight.device.type == "cpu"
         and input.dim() >= 2
         and input.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
         and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
     )
 
 
 class OneDNNLinear(torch.autograd.Function):
-    """x W^T + b and its gradients, each product computed by oneDNN: see `linear`.
+    """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, each product computed by oneDNN: see `linear`.
 
     `apply(input, weight, bias)` takes `(*, in_features)` float32 CPU input, an `(out_features,
     in_features)` weight and an `(out_features,)` bias or None, and returns `(*, out_features)`.
-    Gradients are not differentiable again (`once_differentiable`): differentiating them raises RuntimeError.
+    The gradients are linear maps again, computed by `linear`, so they can be differentiated in turn.
+    Raises RuntimeError (from oneDNN) if the shapes do not fit.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
-        ctx.has_bias = bias is not None
         return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
-            grad_input = _ONEDNN_LINEAR(grad_output, weight.t(), None, "none", [], "")
+            grad_input = linear(grad_output, weight.t())
         if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x: a linear map of (dL/dy)^T whose weight is x^T
-            grad_rows, input_rows = grad_output.flatten(0, -2), input.flatten(0, -2)
-            grad_weight = _ONEDNN_LINEAR(grad_rows.t(), input_rows.t(), None, "none", [], "")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_weight = linear(grad_output.flatten(0, -2).t(), input.flatten(0, -2).t())
+        if ctx.needs_input_grad[2]:
             grad_bias = grad_output.flatten(0, -2).sum(0)
         return grad_input, grad_weight, grad_bias
 
@@ -145,10 +149,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     Every projection of the model is one: W^Q, W^K, W^V and W^O (§3.2.2), W_1 and W_2 (§3.3, Eq. 2)
     and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
-    rounding, but its products run up to 2.7 times as fast where MKL, PyTorch's usual library for
+    rounding, but its products run up to 2.8 times as fast where MKL, PyTorch's usual library for
     them, leaves the CPU's vector units partly idle (AMD processors; README, Performance). Products
-    of fewer than 2^21 multiply-adds, other dtypes and devices, autocast and `torch.compile` take
-    `F.linear`.
+    of fewer than 2^21 multiply-adds, other dtypes and devices, autocast, `torch.compile`, TorchScript
+    tracing, `torch.func` transforms, and `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
 
     Args:
         input: `(*, in_features)`.
@@ -161,7 +165,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Raises:
         RuntimeError: the shapes do not fit (from the product).
     """
-    if not _uses_onednn(input, weight):
+    if not _uses_onednn(input, weight, bias):
         return F.linear(input, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
         return OneDNNLinear.apply(input, weight, bias)
@@ -169,7 +173,11 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` computed by `linear`: the same parameters, initialisation and state dict, `(*, in) -> (*, out)`."""
+    """`nn.Linear` computed by `linear` (§3.2.2, §3.3, §3.4): the same parameters, initialisation and state dict.
+
+    Maps `(*, in_features)` to `(*, out_features)`; raises RuntimeError if the input's last dimension is not
+    `in_features`.
+    """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear(input, self.weight, self.bias)
@@ -885,14 +893,15 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 losses = losses * weights[rows, 0]
                 grad.mul_(weights[rows])
             loss += losses.sum()
-            grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())
+            grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())  # G W, a linear map whose weight is W^T
             if onednn:
                 grad_weight += linear(grad.t(), computed_hidden[rows].t())
             elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                 grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             else:
-                # Accumulated by the product itself: a separate addition would pass over all of W's gradient
-                # again, as long as the product with the paper's vocabulary on the CPU (README, Performance).
+                # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
+                # again, as long as that product with the paper's vocabulary (README, Performance). oneDNN's
+                # product, above, is faster even with the separate addition.
                 grad_weight.addmm_(grad.t(), computed_hidden[rows])
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)
