@@ -861,7 +861,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
         mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
-        onednn = _uses_onednn(computed_hidden, weight)
+        onednn = _uses_onednn(computed_hidden, weight, bias)
         # Without oneDNN every chunk's logits go to one buffer: MKL's product writing a fresh block, which the CPU
         # page-faulted in anew, ran at half the speed of the others (README, Performance); oneDNN's does not.
         logits_buffer = None if onednn else hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
