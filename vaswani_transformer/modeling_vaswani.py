@@ -138,7 +138,12 @@ class OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
             grad_input = linear(grad_output, weight.t())
         if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x: a linear map of (dL/dy)^T whose weight is x^T
-            grad_weight = linear(grad_output.flatten(0, -2).t(), input.flatten(0, -2).t())
+            grad_rows, input_rows = grad_output.flatten(0, -2), input.flatten(0, -2)
+            # oneDNN copies a transposed first operand into a contiguous one: let that be the narrower of the two.
+            if weight.shape[0] > weight.shape[1]:
+                grad_weight = linear(input_rows.t(), grad_rows.t()).t()
+            else:
+                grad_weight = linear(grad_rows.t(), input_rows.t())
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.flatten(0, -2).sum(0)
         return grad_input, grad_weight, grad_bias
@@ -894,8 +899,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 grad.mul_(weights[rows])
             loss += losses.sum()
             grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())  # G W, a linear map whose weight is W^T
-            if onednn:
-                grad_weight += linear(grad.t(), computed_hidden[rows].t())
+            if onednn:  # (h^T G)^T: the narrow h is the operand oneDNN transposes (`OneDNNLinear.backward`)
+                grad_weight += linear(computed_hidden[rows].t(), grad.t()).t()
             elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                 grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             else:
