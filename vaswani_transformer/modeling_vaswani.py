@@ -117,6 +117,12 @@ def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     )
 
 
+def _transposed_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # a^T b of (rows, m) and (rows, n), a weight gradient, as `linear`: a^T (b^T)^T, or (b^T a)^T. oneDNN copies the
+    # transposed first operand into a contiguous one, so the narrower of a and b takes that place.
+    return linear(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else linear(a.t(), b.t())
+
+
 class OneDNNLinear(torch.autograd.Function):
     """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, each product computed by oneDNN: see `linear`.
 
@@ -137,13 +143,8 @@ class OneDNNLinear(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
             grad_input = linear(grad_output, weight.t())
-        if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x: a linear map of (dL/dy)^T whose weight is x^T
-            grad_rows, input_rows = grad_output.flatten(0, -2), input.flatten(0, -2)
-            # oneDNN copies a transposed first operand into a contiguous one: let that be the narrower of the two.
-            if weight.shape[0] > weight.shape[1]:
-                grad_weight = linear(input_rows.t(), grad_rows.t()).t()
-            else:
-                grad_weight = linear(grad_rows.t(), input_rows.t())
+        if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x
+            grad_weight = _transposed_product(grad_output.flatten(0, -2), input.flatten(0, -2))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.flatten(0, -2).sum(0)
         return grad_input, grad_weight, grad_bias
@@ -899,8 +900,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 grad.mul_(weights[rows])
             loss += losses.sum()
             grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())  # G W, a linear map whose weight is W^T
-            if onednn:  # (h^T G)^T: the narrow h is the operand oneDNN transposes (`OneDNNLinear.backward`)
-                grad_weight += linear(computed_hidden[rows].t(), grad.t()).t()
+            if onednn:
+                grad_weight += _transposed_product(grad, computed_hidden[rows])
             elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                 grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             else:
