@@ -9,7 +9,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from conftest import tiny_model
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import logits_process
 
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration, modeling_vaswani
@@ -764,23 +764,36 @@ def test_beam_search_decodes_one_row_per_sentence_at_the_first_step(
     assert rows[1] == 6 * 4
 
 
-def test_beam_search_cache_layer_holds_what_the_dynamic_layer_holds():
-    # Appends past its first capacity (32 positions) and reorders, dropping rows on the way.
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_beam_search_cache_attends_as_the_reordered_dynamic_cache(attn_implementation):
+    # Each beam attends to its own hypothesis' keys and values, whether they move after every step
+    # (DynamicCache) or stay where they were written (BeamSearchCache): one row per sentence at the
+    # first step, then 4 beams reordered at random for 70 steps, past the first capacity (32 positions)
+    # and, with SDPA, past the eager path's 1,024 scores to the fused kernel; one sentence leaves on the way.
     torch.manual_seed(0)
-    ours, reference = modeling_vaswani.BeamSearchCacheLayer(), DynamicLayer()
-    rows = 12
-    for step in range(40):
-        keys, values = torch.randn(rows, 2, 3 if step == 0 else 1, 4), torch.randn(rows, 2, 3 if step == 0 else 1, 4)
-        for got, want in zip(ours.update(keys, values), reference.update(keys, values), strict=True):
-            assert torch.equal(got, want)
-        beam_idx = torch.randint(0, rows, (rows - 4 if step == 20 else rows,))
-        rows = beam_idx.shape[0]
-        ours.reorder_cache(beam_idx)
-        reference.reorder_cache(beam_idx)
-        assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
-    assert ours.get_seq_length() == reference.get_seq_length() == 42
+    config = VaswaniConfig(d_model=16, num_attention_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1)
+    config._attn_implementation = attn_implementation
+    attention = modeling_vaswani.MultiHeadAttention(config, is_causal=True).eval()
+    batch, beams = 3, 4
+    beam_cache = modeling_vaswani.BeamSearchCache(1, batch, beams, 1, torch.device("cpu"))
+    ours = EncoderDecoderCache(beam_cache, DynamicCache())
+    reference = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    rows_per_sentence = 1
+    for step in range(70):
+        hidden_states = torch.randn(batch * rows_per_sentence, 1, 16)
+        with torch.no_grad():
+            got, want = (attention(hidden_states, past_key_values=cache)[0] for cache in (ours, reference))
+        torch.testing.assert_close(got, want)
+        kept = torch.tensor([0, 2]) if step == 40 else torch.arange(batch)
+        parents = torch.randint(0, rows_per_sentence, (len(kept), beams))
+        beam_idx = (kept[:, None] * rows_per_sentence + parents).view(-1)
+        ours.self_attention_cache.reorder_cache(beam_idx)
+        reference.self_attention_cache.reorder_cache(beam_idx)
+        batch, rows_per_sentence = len(kept), beams
+    assert beam_cache.batch_size == 2
+    assert ours.get_seq_length() == reference.get_seq_length() == 70
     with pytest.raises(NotImplementedError, match="DynamicCache"):
-        ours.crop(-1)
+        beam_cache.layers[0].crop(-1)
 
 
 def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):

@@ -236,7 +236,7 @@ def scaled_dot_product_attention(
 def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
     # PyTorch's fused CPU kernel has a fixed cost of some 0.2 ms a call, more than the whole of Eq. 1
     # spelled out for a few queries (README, Performance): one query per sentence (self-attention at
-    # every decoding step), the num_beams queries of a sentence in beam search's cross-attention, or
+    # every decoding step), the num_beams queries of a sentence in beam search's attention, or
     # an encoder's short sentences at translation time. Measured without gradients only: in training
     # the two took as long. Where the SDPA mask builder left a causal mask to the kernel's `is_causal`
     # (mask None), the eager path would not mask, so that case stays with the kernel.
@@ -307,15 +307,9 @@ class MultiHeadAttention(nn.Module):
         Returns:
             The output `(batch, target_len, d_model)` and, with eager attention, the weights
             `(batch, heads, target_len, key_len)` (None otherwise); with shared encoder rows,
-            `(batch / beams, heads, beams * target_len, key_len)`.
+            `(batch / beams, heads, beams * target_len, key_len)`, and with a `BeamSearchCache`,
+            `(batch / beams, heads, beams, length * num_beams)`.
         """
-        rows = hidden_states.shape[0]
-        if self.is_cross_attention and key_value_states is not None and key_value_states.shape[0] != rows:
-            # Beam search gives each sentence's encoder output once for all its beams (`beam_search`): the
-            # beams' queries attend to it as one longer query sequence, its keys and values computed once.
-            hidden_states = hidden_states.reshape(key_value_states.shape[0], -1, hidden_states.shape[-1])
-        query = self._split_heads(self.q_proj(hidden_states))
-
         cache = None
         if past_key_values is not None:
             cache = (
@@ -323,6 +317,16 @@ class MultiHeadAttention(nn.Module):
                 if self.is_cross_attention
                 else past_key_values.self_attention_cache
             )
+        rows = hidden_states.shape[0]
+        if self.is_cross_attention and key_value_states is not None and key_value_states.shape[0] != rows:
+            # Beam search gives each sentence's encoder output once for all its beams (`beam_search`): the
+            # beams' queries attend to it as one longer query sequence, its keys and values computed once.
+            hidden_states = hidden_states.reshape(key_value_states.shape[0], -1, hidden_states.shape[-1])
+        elif isinstance(cache, BeamSearchCache):
+            # So do the beams' one new position each in self-attention, to the keys and values of every
+            # beam's slot, each beam masked to its own ancestors' (`BeamSearchCache`).
+            hidden_states = hidden_states.reshape(cache.batch_size, -1, hidden_states.shape[-1])
+        query = self._split_heads(self.q_proj(hidden_states))
         if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
@@ -332,6 +336,8 @@ class MultiHeadAttention(nn.Module):
                 key, value = cache.update(key, value, self.layer_idx)
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
+                elif isinstance(cache, BeamSearchCache):
+                    attention_mask = cache.mask
 
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and _eager_is_faster(self, query, key, attention_mask):
@@ -1411,76 +1417,135 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, 
 
 
 class BeamSearchCacheLayer(DynamicLayer):
-    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
+    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1), never moved.
 
-    The buffers are reused across steps. `DynamicLayer` concatenates each step's keys and values to the
-    earlier ones, and beam search then gathers the rows of the beams that go on: two copies of the whole
-    cache per step, a fifth of beam-search time with the base model (README, Performance). Here a step
-    is written in place and the gather writes into a second buffer, which takes over. Buffers are laid
-    out `(capacity, batch * beams, heads, d_k)`, so that the first `length` positions are one contiguous
-    block, and grow to twice the length needed when full; `keys` and `values` are `(batch * beams,
-    heads, length, d_k)` views of them, as in `DynamicLayer`. Made for `beam_search`, which only appends
-    and reorders: cropping and the other batch edits of `DynamicLayer` are not supported.
+    Each position's keys and values are written once, in the slot of the beam that produced them:
+    buffers laid out `(batch, heads, capacity, num_beams, d_k)`, which grow to twice the length needed
+    when full. `keys` and `values` are `(batch, heads, length * num_beams, d_k)` views of them, every slot
+    of every position of a sentence, to which its beams attend as one query sequence, each masked to its
+    own ancestors by `BeamSearchCache.mask`. Reordering the beams thus moves no keys or values: gathering
+    the surviving beams' copies after every step read and wrote the whole cache, 12% of a `small` batch
+    of beam search (README, Performance). Made for `beam_search`, which only appends and reorders:
+    cropping and repeating rows are not supported.
     """
 
     is_croppable = False
 
+    def __init__(self, num_beams: int) -> None:
+        super().__init__()
+        self.num_beams = num_beams
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
-        self._buffers = self._spare = self._allocate(key_states, value_states, capacity=32)
-        self.keys, self.values = (buffer[:0].permute(1, 2, 0, 3) for buffer in self._buffers)
+        self._buffers = tuple(self._allocate(states, capacity=32) for states in (key_states, value_states))
         self.is_initialized = True
 
-    @staticmethod
-    def _allocate(
-        keys: torch.Tensor, values: torch.Tensor, capacity: int, rows: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # keys, values: `(rows, heads, length, d)`, giving the shapes of the new buffers
-        rows = keys.shape[0] if rows is None else rows
-        return (
-            keys.new_empty(capacity, rows, keys.shape[1], keys.shape[3]),
-            values.new_empty(capacity, rows, values.shape[1], values.shape[3]),
-        )
+    def _allocate(self, states: torch.Tensor, capacity: int) -> torch.Tensor:
+        # states: `(batch, heads, ..., d)`, giving the batch, heads and d of the new buffer
+        return states.new_empty(states.shape[0], states.shape[1], capacity, self.num_beams, states.shape[-1])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `(rows, heads, new, d_k)` keys and values; return all of them, `(rows, heads, length, d_k)`."""
+        """Append one position, `(batch, heads, num_beams, d_k)` keys and values (one per slot, or one for all).
+
+        Returns:
+            All keys and values, `(batch, heads, length * num_beams, d_k)`, position-major.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[2]
-        if end > self._buffers[0].shape[0]:
-            grown = self._allocate(key_states, value_states, capacity=2 * end)
+        if self.length == self._buffers[0].shape[2]:
+            grown = tuple(self._allocate(buffer, capacity=2 * self.length) for buffer in self._buffers)
             for new, old in zip(grown, self._buffers, strict=True):
-                new[: self.length] = old[: self.length]
-            self._buffers = self._spare = grown
+                new[:, :, : self.length] = old
+            self._buffers = grown
         for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
-            buffer[self.length : end] = states.permute(2, 0, 1, 3)
-        self.length = end
-        self.keys, self.values = (buffer[:end].permute(1, 2, 0, 3) for buffer in self._buffers)
+            buffer[:, :, self.length] = states
+        self.length += 1
+        self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
         return self.keys, self.values
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep rows `beam_idx` `(new_rows,)` of the cache, in that order."""
-        if not self.is_initialized or self.length == 0:
-            return
-        beam_idx = beam_idx.to(self.device)
-        capacity = self._buffers[0].shape[0]
-        if self._spare is self._buffers or self._spare[0].shape[1] != beam_idx.shape[0]:
-            self._spare = self._allocate(self.keys, self.values, capacity, rows=beam_idx.shape[0])
-        for new, old in zip(self._spare, self._buffers, strict=True):
-            torch.index_select(old[: self.length], 1, beam_idx, out=new[: self.length])
-        self._buffers, self._spare = self._spare, self._buffers
-        self.keys, self.values = (buffer[: self.length].permute(1, 2, 0, 3) for buffer in self._buffers)
+    def get_seq_length(self) -> int:
+        """Positions held (not slots: `keys` has `num_beams` slots per position)."""
+        return self.length if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sentences `indices` `(new_batch,)`, in that order."""
+        if self.is_initialized:
+            self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
 
     def _unsupported(self, *args, **kwargs) -> None:
         raise NotImplementedError(
             "BeamSearchCacheLayer only appends and reorders (it serves `beam_search`); use a DynamicCache to crop "
-            "or edit the batch of a cache."
+            "or repeat the rows of a cache."
         )
 
-    crop = batch_repeat_interleave = batch_select_indices = _unsupported
+    crop = batch_repeat_interleave = _unsupported
+
+
+class BeamSearchCache(Cache):
+    """The masked self-attention cache of `beam_search`: one `BeamSearchCacheLayer` per decoder layer.
+
+    It keeps each beam's ancestry: `ancestry[sentence, beam, position]`, `(batch, beams, length)`, is the
+    slot in which that beam's hypothesis wrote its keys and values for the position. Beam i of a sentence
+    may attend to the slot of its ancestry at each position and to no other (§3.2.3: a position attends
+    to the positions up to and including it, here of its own hypothesis); that is `mask`, `(batch, 1,
+    beams, length * num_beams)`, True where attending is allowed, the SDPA format, made once per step
+    for every layer. `beams` is the rows per sentence of the step: 1 or num_beams at the first one.
+
+    Args:
+        num_layers: decoder layers.
+        batch_size: sentences.
+        num_beams: slots per position.
+        rows_per_sentence: decoder rows per sentence at the first step (1 or num_beams).
+        device: where the ancestry lives.
+    """
+
+    def __init__(
+        self, num_layers: int, batch_size: int, num_beams: int, rows_per_sentence: int, device: torch.device
+    ) -> None:
+        super().__init__(layers=[BeamSearchCacheLayer(num_beams) for _ in range(num_layers)])
+        self.num_beams = num_beams
+        self.ancestry = torch.empty(batch_size, rows_per_sentence, 0, dtype=torch.long, device=device)
+        self.mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Sentences still in the batch."""
+        return self.ancestry.shape[0]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one position to layer `layer_idx`: `(batch, heads, beams, d_k)` keys and values.
+
+        Returns:
+            All keys and values of the layer, `(batch, heads, length * num_beams, d_k)`.
+        """
+        if layer_idx == 0:
+            # Each beam writes the new position into its own slot (with one row per sentence, slot 0
+            # stands for all, which the layer fills alike).
+            batch, beams, _ = self.ancestry.shape
+            slots = torch.arange(beams, device=self.ancestry.device).expand(batch, beams)
+            self.ancestry = torch.cat((self.ancestry, slots[..., None]), dim=2)
+            all_slots = torch.arange(self.num_beams, device=self.ancestry.device)
+            self.mask = (self.ancestry[..., None] == all_slots).flatten(2)[:, None]
+        return super().update(key_states, value_states, layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Go on with row `beam_idx[i]` of the last step as row i, `(new_batch * num_beams,)`.
+
+        The rows are numbered sentence by sentence, `beams` each, and those of a sentence stay together.
+        A sentence none of whose rows go on leaves the batch (its keys and values go): the only copy.
+        """
+        batch, beams, length = self.ancestry.shape
+        sentences = beam_idx[:: self.num_beams] // beams
+        if sentences.shape[0] != batch:
+            for layer in self.layers:
+                layer.batch_select_indices(sentences)
+        self.ancestry = self.ancestry.view(batch * beams, length)[beam_idx].view(-1, self.num_beams, length)
 
 
 @torch.no_grad()
@@ -1498,13 +1563,13 @@ def beam_search(
     with less work per step (README, Performance): the first step decodes one row per sentence, not
     num_beams identical ones; the beams of a sentence share one copy of its encoder output and of the
     cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the batch
-    (its rows of the caches, the encoder output and the mask go); the self-attention cache is kept in
-    `BeamSearchCacheLayer`s; token masks among the logits processors fill the columns they forbid; a
-    candidate's sequence is built only when it ends, and finished hypotheses are merged only on steps
-    where some end. A hypothesis Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y|
-    counting the generated tokens with `</s>`. Sentences stay in the batch, and the first step runs
-    every row, as in HF's loop, when a logits processor keeps state per sentence that this function
-    cannot narrow.
+    (its rows of the caches, the encoder output and the mask go); the self-attention keys and values
+    stay where they were written, each beam attending to its ancestors' (`BeamSearchCache`); token
+    masks among the logits processors fill the columns they forbid; a candidate's sequence is built
+    only when it ends, and finished hypotheses are merged only on steps where some end. A hypothesis
+    Y that ends scores log P(Y|X) / length_penalty(|Y|, alpha), |Y| counting the generated tokens
+    with `</s>`. Sentences stay in the batch, and the first step runs every row, as in HF's loop,
+    when a logits processor keeps state per sentence that this function cannot narrow.
 
     Args:
         model: gives the forward pass and the cache reordering.
@@ -1550,8 +1615,10 @@ def beam_search(
     sequences[:, :prompt_len] = first_rows
     scores = torch.zeros(batch, first_rows.shape[0] // batch, device=device)
     scores[:, 1:] = -1.0e9
-    layers = [BeamSearchCacheLayer() for _ in range(model.config.decoder_layers)]
-    cache = EncoderDecoderCache(Cache(layers=layers), model_kwargs["past_key_values"].cross_attention_cache)
+    self_attention_cache = BeamSearchCache(
+        model.config.decoder_layers, batch, num_beams, first_rows.shape[0] // batch, device
+    )
+    cache = EncoderDecoderCache(self_attention_cache, model_kwargs["past_key_values"].cross_attention_cache)
     # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
     # so the decoder gets one row per sentence, and its keys and values are computed once.
     encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[::num_beams]
