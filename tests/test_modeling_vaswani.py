@@ -764,15 +764,15 @@ def test_beam_search_decodes_one_row_per_sentence_at_the_first_step(
     assert rows[1] == 6 * 4
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa", "flash_attention_2"])
 def test_beam_search_cache_attends_as_the_reordered_dynamic_cache(attn_implementation):
     # Each beam attends to its own hypothesis' keys and values, whether they move after every step
-    # (DynamicCache) or stay where they were written (BeamSearchCache): one row per sentence at the
-    # first step, then 4 beams reordered at random for 70 steps, past the first capacity (32 positions)
-    # and, with SDPA, past the eager path's 1,024 scores to the fused kernel; one sentence leaves on the way.
+    # (DynamicCache, eager attention) or stay where they were written (BeamSearchCache): one row per
+    # sentence at the first step, then 4 beams reordered at random for 70 steps, past the first capacity
+    # (32 positions) and, with SDPA, past the eager path's 1,024 scores to the fused kernel; one sentence
+    # leaves on the way. Flash attention takes no ancestry mask (nor runs here): the eager path stands in.
     torch.manual_seed(0)
     config = VaswaniConfig(d_model=16, num_attention_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1)
-    config._attn_implementation = attn_implementation
     attention = modeling_vaswani.MultiHeadAttention(config, is_causal=True).eval()
     batch, beams = 3, 4
     beam_cache = modeling_vaswani.BeamSearchCache(1, batch, beams, 1, torch.device("cpu"))
@@ -782,7 +782,10 @@ def test_beam_search_cache_attends_as_the_reordered_dynamic_cache(attn_implement
     for step in range(70):
         hidden_states = torch.randn(batch * rows_per_sentence, 1, 16)
         with torch.no_grad():
-            got, want = (attention(hidden_states, past_key_values=cache)[0] for cache in (ours, reference))
+            config._attn_implementation = attn_implementation
+            got = attention(hidden_states, past_key_values=ours)[0]
+            config._attn_implementation = "eager"
+            want = attention(hidden_states, past_key_values=reference)[0]
         torch.testing.assert_close(got, want)
         kept = torch.tensor([0, 2]) if step == 40 else torch.arange(batch)
         parents = torch.randint(0, rows_per_sentence, (len(kept), beams))

@@ -342,6 +342,9 @@ class MultiHeadAttention(nn.Module):
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and _eager_is_faster(self, query, key, attention_mask):
             implementation = "eager"
+        elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
+            # Flash attention and the other kernels take no mask of this kind, which the beams' ancestry needs.
+            implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         output, weights = attention(
             self,
