@@ -710,6 +710,7 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         # Token masks, added once per step, before and after a ForcedBOS processor.
         {"min_new_tokens": 12, "min_length": 6, "num_return_sequences": 2},
         {"forced_bos_token_id": 5, "min_new_tokens": 3},
+        {"repetition_penalty": 1.3, "num_beams": 3},  # a processor that returns a non-contiguous view
         # Per-sentence state: every sentence stays in the batch, and a full one takes no more hypotheses.
         {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
     ],
@@ -795,8 +796,16 @@ def test_beam_search_cache_attends_as_the_reordered_dynamic_cache(attn_implement
         batch, rows_per_sentence = len(kept), beams
     assert beam_cache.batch_size == 2
     assert ours.get_seq_length() == reference.get_seq_length() == 70
-    with pytest.raises(NotImplementedError, match="DynamicCache"):
-        beam_cache.layers[0].crop(-1)
+    # What would leave the ancestry and the slots apart is refused.
+    for unsupported in (
+        beam_cache.reset,
+        lambda: beam_cache.batch_select_indices(torch.tensor([0])),
+        lambda: beam_cache.layers[0].reorder_cache(torch.tensor([0])),
+        lambda: beam_cache.layers[0].crop(-1),
+        lambda: beam_cache.layers[0].get_mask_sizes(1),
+    ):
+        with pytest.raises(NotImplementedError, match="DynamicCache"):
+            unsupported()
 
 
 def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):

@@ -299,7 +299,8 @@ class MultiHeadAttention(nn.Module):
             hidden_states: queries, `(batch, target_len, d_model)`.
             key_value_states: encoder output `(batch, source_len, d_model)` for cross-attention, else None.
                 It may have batch / beams rows: each then serves `beams` consecutive rows of queries.
-            attention_mask: mask from `transformers.masking_utils`, or None.
+            attention_mask: mask from `transformers.masking_utils`, or None. Self-attention with a
+                `BeamSearchCache` uses the cache's mask instead.
             past_key_values: an `EncoderDecoderCache` during incremental decoding. Self-attention
                 appends this step's keys and values; cross-attention computes the encoder's once
                 and then reuses them.
@@ -307,8 +308,8 @@ class MultiHeadAttention(nn.Module):
         Returns:
             The output `(batch, target_len, d_model)` and, with eager attention, the weights
             `(batch, heads, target_len, key_len)` (None otherwise); with shared encoder rows,
-            `(batch / beams, heads, beams * target_len, key_len)`, and with a `BeamSearchCache`,
-            `(batch / beams, heads, beams, length * num_beams)`.
+            `(batch / beams, heads, beams * target_len, key_len)`, and in self-attention with a
+            `BeamSearchCache` holding `length` positions, `(batch / beams, heads, beams, length * num_beams)`.
         """
         cache = None
         if past_key_values is not None:
@@ -337,13 +338,14 @@ class MultiHeadAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
                 elif isinstance(cache, BeamSearchCache):
-                    attention_mask = cache.mask
+                    attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and _eager_is_faster(self, query, key, attention_mask):
             implementation = "eager"
         elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
-            # Flash attention and the other kernels take no mask of this kind, which the beams' ancestry needs.
+            # Flash attention, and kernels registered by users, may ignore a mask of this kind: the beams'
+            # ancestry needs it, and the eager path applies it.
             implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         output, weights = attention(
@@ -1208,9 +1210,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
 
     def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.Tensor) -> EncoderDecoderCache:
-        # Called by HF's beam search after each step to follow the surviving beams. It moves beams only
-        # within their sentence, and every beam of a sentence attends to the same encoder output, so
-        # the cross-attention keys and values are already in order: only the self-attention ones move.
+        # Called after each step to follow the surviving beams, by HF's beam search (a DynamicCache, whose
+        # self-attention keys and values are gathered) and by `beam_search` (a BeamSearchCache, which
+        # follows them through its ancestry). Beams move only within their sentence, and every beam of a
+        # sentence attends to the same encoder output: the cross-attention keys and values stay in order.
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
 
@@ -1420,16 +1423,17 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, 
 
 
 class BeamSearchCacheLayer(DynamicLayer):
-    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1), never moved.
+    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
 
     Each position's keys and values are written once, in the slot of the beam that produced them:
     buffers laid out `(batch, heads, capacity, num_beams, d_k)`, which grow to twice the length needed
     when full. `keys` and `values` are `(batch, heads, length * num_beams, d_k)` views of them, every slot
     of every position of a sentence, to which its beams attend as one query sequence, each masked to its
     own ancestors by `BeamSearchCache.mask`. Reordering the beams thus moves no keys or values: gathering
-    the surviving beams' copies after every step read and wrote the whole cache, 12% of a `small` batch
-    of beam search (README, Performance). Made for `beam_search`, which only appends and reorders:
-    cropping and repeating rows are not supported.
+    the surviving beams' copies after every step read and wrote the whole cache, 10% of the operator time
+    of a `small` batch of beam search (README, Performance). They are copied only when the buffers grow
+    and when sentences leave the batch. Made for `BeamSearchCache`, which appends and drops sentences:
+    reordering, cropping and repeating rows, and building masks from the layer, raise NotImplementedError.
     """
 
     is_croppable = False
@@ -1476,16 +1480,18 @@ class BeamSearchCacheLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the sentences `indices` `(new_batch,)`, in that order."""
         if self.is_initialized:
+            indices = indices.to(self.device)
             self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
             self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
 
     def _unsupported(self, *args, **kwargs) -> None:
         raise NotImplementedError(
-            "BeamSearchCacheLayer only appends and reorders (it serves `beam_search`); use a DynamicCache to crop "
-            "or repeat the rows of a cache."
+            "BeamSearchCacheLayer only appends and drops sentences (it serves `beam_search`, whose BeamSearchCache "
+            "follows the beams through their ancestry); use a DynamicCache to reorder, crop or repeat the rows of "
+            "a cache, or to build attention masks from it."
         )
 
-    crop = batch_repeat_interleave = _unsupported
+    reorder_cache = crop = batch_repeat_interleave = get_mask_sizes = _unsupported
 
 
 class BeamSearchCache(Cache):
@@ -1498,12 +1504,16 @@ class BeamSearchCache(Cache):
     beams, length * num_beams)`, True where attending is allowed, the SDPA format, made once per step
     for every layer. `beams` is the rows per sentence of the step: 1 or num_beams at the first one.
 
+    Only `update`, `reorder_cache` and the length queries are supported: resetting, cropping, repeating or
+    selecting rows through the `Cache` interface would leave the ancestry behind, and raise NotImplementedError.
+
     Args:
         num_layers: decoder layers.
         batch_size: sentences.
         num_beams: slots per position.
         rows_per_sentence: decoder rows per sentence at the first step (1 or num_beams).
-        device: where the ancestry lives.
+        device: where the ancestry and the mask are made (the decoder input's device); the attention
+            moves the mask to each layer's device.
     """
 
     def __init__(
@@ -1541,7 +1551,8 @@ class BeamSearchCache(Cache):
         """Go on with row `beam_idx[i]` of the last step as row i, `(new_batch * num_beams,)`.
 
         The rows are numbered sentence by sentence, `beams` each, and those of a sentence stay together.
-        A sentence none of whose rows go on leaves the batch (its keys and values go): the only copy.
+        A sentence none of whose rows go on leaves the batch: its keys and values go, which copies the
+        others' (the only copy besides the buffers' growth).
         """
         batch, beams, length = self.ancestry.shape
         sentences = beam_idx[:: self.num_beams] // beams
@@ -1549,6 +1560,14 @@ class BeamSearchCache(Cache):
             for layer in self.layers:
                 layer.batch_select_indices(sentences)
         self.ancestry = self.ancestry.view(batch * beams, length)[beam_idx].view(-1, self.num_beams, length)
+
+    def _unsupported(self, *args, **kwargs) -> None:
+        raise NotImplementedError(
+            "BeamSearchCache serves `beam_search`, which only appends and reorders beams (`reorder_cache`); use a "
+            "DynamicCache to reset, crop, repeat or select the rows of a cache."
+        )
+
+    reset = crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
 @torch.no_grad()
@@ -1644,7 +1663,8 @@ def beam_search(
             log_probs.index_fill_(1, (mask == float("-inf")).nonzero().squeeze(1), float("-inf"))
         log_probs = logits_processor(sequences[:, :length], log_probs)
         beams = scores.shape[1]
-        candidates = log_probs.view(len(active), beams, vocab_size).add_(scores[..., None]).view(len(active), -1)
+        # reshape: a processor may return a strided view, which `view` cannot regroup (RepetitionPenaltyLogitsProcessor)
+        candidates = log_probs.reshape(len(active), beams, vocab_size).add_(scores[..., None]).reshape(len(active), -1)
         candidate_scores, candidate_ids = top_k(candidates, min(num_candidates, candidates.shape[1]))
         sentence_rows = torch.arange(len(active), device=device)[:, None]
         candidate_rows = candidate_ids // vocab_size + sentence_rows * beams
@@ -1679,7 +1699,7 @@ def beam_search(
             active, scores, beam_rows, tokens = active[kept], scores[kept], beam_rows[kept], tokens[kept]
             encoder_states = encoder_states[kept]
             attention_mask = attention_mask[kept] if attention_mask is not None else None
-            cache.cross_attention_cache.reorder_cache(kept)
+            cache.cross_attention_cache.reorder_cache(kept)  # the self-attention cache finds `kept` in beam_rows
             logits_processor = LogitsProcessorList(
                 p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in logits_processor
             )
