@@ -1422,6 +1422,15 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, 
     return values, indices.gather(1, best)
 
 
+def _beam_search_cache_unsupported(*args, **kwargs) -> None:
+    # What `BeamSearchCache` and its layers refuse: an edit that would leave the beams' ancestry and their slots apart.
+    raise NotImplementedError(
+        "BeamSearchCache serves `beam_search`: it appends positions, follows the beams through their ancestry "
+        "(`reorder_cache`) and drops finished sentences; use a DynamicCache to reset, crop, repeat, select or "
+        "reorder the rows of a cache, or to build attention masks from it."
+    )
+
+
 class BeamSearchCacheLayer(DynamicLayer):
     """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
 
@@ -1484,14 +1493,7 @@ class BeamSearchCacheLayer(DynamicLayer):
             self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
             self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
 
-    def _unsupported(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "BeamSearchCacheLayer only appends and drops sentences (it serves `beam_search`, whose BeamSearchCache "
-            "follows the beams through their ancestry); use a DynamicCache to reorder, crop or repeat the rows of "
-            "a cache, or to build attention masks from it."
-        )
-
-    reorder_cache = crop = batch_repeat_interleave = get_mask_sizes = _unsupported
+    reorder_cache = crop = batch_repeat_interleave = get_mask_sizes = _beam_search_cache_unsupported
 
 
 class BeamSearchCache(Cache):
@@ -1561,13 +1563,7 @@ class BeamSearchCache(Cache):
                 layer.batch_select_indices(sentences)
         self.ancestry = self.ancestry.view(batch * beams, length)[beam_idx].view(-1, self.num_beams, length)
 
-    def _unsupported(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "BeamSearchCache serves `beam_search`, which only appends and reorders beams (`reorder_cache`); use a "
-            "DynamicCache to reset, crop, repeat or select the rows of a cache."
-        )
-
-    reset = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+    reset = crop = batch_repeat_interleave = batch_select_indices = _beam_search_cache_unsupported
 
 
 @torch.no_grad()
