@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from vaswani_transformer.checkpoints import checkpoint_step, list_checkpoints
 
-TINY = {"d_model": 32, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1, "num_attention_heads": 2}
+MINI_MODEL = {"d_model": 32, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1, "num_attention_heads": 2}
 
 
 def make_corpus(data_dir: Path, corpus: Path, pairs: int) -> Path:
@@ -41,7 +41,7 @@ def make_corpus(data_dir: Path, corpus: Path, pairs: int) -> Path:
 def train_command(corpus: Path, output_dir: Path, steps: int, save_steps: int) -> list[str]:
     command = [sys.executable, "-m", "vaswani_transformer.cli", "train", "--data-dir", str(corpus)]
     command += ["--source-lang", "en", "--target-lang", "de", "--output-dir", str(output_dir), "--preset", "small"]
-    for key, value in TINY.items():
+    for key, value in MINI_MODEL.items():
         command += ["--model-option", f"{key}={value}"]
     command += ["--vocab-size", "300", "--max-tokens", "256", "--warmup-steps", "10", "--max-steps", str(steps)]
     command += ["--log-steps", "5", "--eval-steps", "1000", "--save-steps", str(save_steps), "--average-last", "2"]

@@ -39,7 +39,7 @@ def test_sentences(corpus):
     return test["en"], test["de"]
 
 
-def tiny_model(tokenizer=None, seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
+def random_model(tokenizer=None, seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
     """A randomly initialised 2+2-layer model, in eval mode, small enough for exact CPU tests."""
     torch.manual_seed(seed)
     options = dict(d_model=32, d_ff=64, encoder_layers=2, decoder_layers=2, num_attention_heads=4)
@@ -72,7 +72,8 @@ def read_log(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "training_log.jsonl").read_text().splitlines()]
 
 
-TINY = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
+# The model of `mini_run`: one layer each side, for training tests that take seconds.
+MINI_MODEL = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
 
 
 @pytest.fixture(scope="session")
@@ -86,9 +87,9 @@ def mini_corpus(multi30k_dir, tmp_path_factory) -> Path:
     return corpus
 
 
-def tiny_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
+def mini_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
     settings = dict(
-        data=str(corpus), source_lang="en", target_lang="de", output_dir=str(output_dir), model_overrides=TINY,
+        data=str(corpus), source_lang="en", target_lang="de", output_dir=str(output_dir), model_overrides=MINI_MODEL,
         vocab_size=300, max_tokens=256, warmup_steps=4, max_steps=12, log_steps=1, eval_steps=6, save_steps=3,
         average_last=2,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_arguments, tiny_run
+from conftest import cli_arguments, mini_run
 from safetensors.torch import load_file
 
 import vaswani_transformer.modeling_vaswani as modeling
@@ -32,7 +32,7 @@ def assert_bitwise_equal(left: dict[str, torch.Tensor], right: dict[str, torch.T
 
 @pytest.fixture(scope="module")
 def uninterrupted(mini_corpus, tmp_path_factory) -> Path:
-    return train(tiny_run(mini_corpus, tmp_path_factory.mktemp("uninterrupted")))
+    return train(mini_run(mini_corpus, tmp_path_factory.mktemp("uninterrupted")))
 
 
 def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterrupted):
@@ -48,7 +48,7 @@ def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterru
 
 
 def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mini_corpus, uninterrupted, tmp_path):
-    config = tiny_run(mini_corpus, tmp_path / "killed")
+    config = mini_run(mini_corpus, tmp_path / "killed")
     kill_after = random.randint(1, 3) * config.save_steps  # a checkpoint exists, later steps are lost
     process = subprocess.Popen(
         [sys.executable, "-m", "vaswani_transformer.cli", *cli_arguments(config)],
@@ -64,7 +64,7 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mi
     assert process.returncode == -signal.SIGKILL, f"the run ended before it was killed (after step {kill_after})"
     assert not (tmp_path / "killed" / "model.safetensors").exists()
 
-    resumed = train(tiny_run(mini_corpus, tmp_path / "killed", resume=True))
+    resumed = train(mini_run(mini_corpus, tmp_path / "killed", resume=True))
     assert_bitwise_equal(weights(resumed), weights(uninterrupted))
     last = ckpt.list_checkpoints(checkpoints)[-1]
     assert_bitwise_equal(ckpt.load_weights(last), ckpt.load_weights(uninterrupted / "checkpoints" / "step-12"))
@@ -75,7 +75,7 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mi
 
 
 def test_a_new_run_refuses_to_overwrite_the_checkpoints_of_another(uninterrupted, mini_corpus, capsys):
-    status = main(cli_arguments(tiny_run(mini_corpus, uninterrupted)))
+    status = main(cli_arguments(mini_run(mini_corpus, uninterrupted)))
     assert status == 2
     error = capsys.readouterr().err
     assert "already holds the checkpoints" in error and "--resume" in error and "step-12" in error
@@ -90,14 +90,14 @@ def test_a_damaged_checkpoint_is_detected_before_training_and_the_last_good_one_
     data = bytearray(latest.read_bytes())
     data[-10] ^= 0xFF  # one flipped byte in the weights
     latest.write_bytes(bytes(data))
-    status = main([*cli_arguments(tiny_run(mini_corpus, run, max_steps=15)), "--resume"])
+    status = main([*cli_arguments(mini_run(mini_corpus, run, max_steps=15)), "--resume"])
     assert status == 2
     error = capsys.readouterr().err
     assert "step-12 is damaged" in error and "model.safetensors" in error
     assert f"The last good checkpoint is {run / 'checkpoints' / 'step-9'}" in error
 
     (run / "checkpoints" / "step-9" / "rng-0.safetensors").unlink()  # now no intact checkpoint is left
-    assert main([*cli_arguments(tiny_run(mini_corpus, run, max_steps=15)), "--resume"]) == 2
+    assert main([*cli_arguments(mini_run(mini_corpus, run, max_steps=15)), "--resume"]) == 2
     assert "No older checkpoint is intact" in capsys.readouterr().err
 
 
@@ -134,13 +134,13 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(mini
 
     monkeypatch.setattr(modeling, "linear_label_smoothed_cross_entropy", loss_turning_nan_at_step_8)
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 8.*Last good checkpoint: .*step-6"):
-        train(tiny_run(mini_corpus, tmp_path / "stopped", eval_steps=100))
+        train(mini_run(mini_corpus, tmp_path / "stopped", eval_steps=100))
     kept = ckpt.list_checkpoints(tmp_path / "stopped" / "checkpoints")
     assert [ckpt.checkpoint_step(p) for p in kept] == [3, 6]
     assert torch.isfinite(torch.cat([t.flatten() for t in ckpt.load_weights(kept[-1]).values()])).all()
 
     calls.clear()
-    output = train(tiny_run(mini_corpus, tmp_path / "skipped", eval_steps=100, skip_nonfinite=True))
+    output = train(mini_run(mini_corpus, tmp_path / "skipped", eval_steps=100, skip_nonfinite=True))
     log = [json.loads(line) for line in (output / "training_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 12 and log[-1]["skipped_nonfinite"] == 1
     assert torch.isfinite(torch.cat([t.flatten() for t in weights(output).values()])).all()

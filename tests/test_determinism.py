@@ -5,9 +5,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from vaswani_transformer.training import TrainingConfig, train
+from conftest import MINI_MODEL
 
-TINY = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=4)
+from vaswani_transformer.training import TrainingConfig, train
 
 
 def _train_a_few_steps(files: dict, output_dir: Path, seed: int) -> Path:
@@ -17,7 +17,7 @@ def _train_a_few_steps(files: dict, output_dir: Path, seed: int) -> Path:
         source_lang="en",
         target_lang="de",
         output_dir=str(output_dir),
-        model_overrides=TINY,  # dropout stays 0.1: its masks must repeat too
+        model_overrides=MINI_MODEL,  # dropout stays 0.1: its masks must repeat too
         vocab_size=400,
         max_tokens=512,
         warmup_steps=10,

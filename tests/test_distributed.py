@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import cli_arguments, read_log, tiny_run
+from conftest import cli_arguments, read_log, mini_run
 from safetensors.torch import load_file
 
 from vaswani_transformer.training import train
@@ -20,10 +20,10 @@ def free_port() -> int:
 def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):
     # No dropout, so that the processes' random draws do not matter; one process accumulating two
     # batches per step sees exactly the batches that two processes see together.
-    settings = dict(model_overrides={**tiny_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=8)
-    single = train(tiny_run(mini_corpus, tmp_path / "single", update_freq=2, **settings))
+    settings = dict(model_overrides={**mini_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=8)
+    single = train(mini_run(mini_corpus, tmp_path / "single", update_freq=2, **settings))
 
-    parallel = tiny_run(mini_corpus, tmp_path / "parallel", **settings)
+    parallel = mini_run(mini_corpus, tmp_path / "parallel", **settings)
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",

@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from conftest import random_model
 from transformers import AutoConfig, AutoTokenizer
 
 from vaswani_transformer import VaswaniConfig
 from vaswani_transformer.cli import main
 from vaswani_transformer.data import iter_lines, load_parallel_corpus
-from vaswani_transformer.evaluation import corpus_bleu, load_translator, translate, translate_stream
+from vaswani_transformer.translation import corpus_bleu, load_translator, translate, translate_stream
 from vaswani_transformer.hub import ensure_writable, save_translator
 from vaswani_transformer.modeling_vaswani import paper_generation_config
 
@@ -29,7 +29,7 @@ LONG = "A man in a blue shirt is standing on a ladder cleaning the windows of a 
 @pytest.fixture(scope="module")
 def translator_dir(tmp_path_factory, tokenizer) -> Path:
     """A random tiny model saved with the session tokenizer, limited to 12 source tokens and 6 output tokens."""
-    model = tiny_model(tokenizer, seed=3)
+    model = random_model(tokenizer, seed=3)
     model.generation_config = paper_generation_config(model.config)
     model.generation_config.max_new_tokens = 6  # random weights rarely stop: keep decoding short
     path = save_translator(model, tokenizer, tmp_path_factory.mktemp("translator"))
@@ -165,9 +165,9 @@ def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplo
     model, tokenizer = translator
     assert len(tokenizer(LONG)["input_ids"]) > LIMIT
     sentences = ["A dog.", LONG, LONG + " Again."]
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
         translations = translate(model, tokenizer, sentences, num_beams=1)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.evaluation"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.translation"]
     assert len(translations) == 3 and len(warnings) == 1, warnings
     assert f"Sentence 2 has {len(tokenizer(LONG)['input_ids'])} tokens" in warnings[0]
     assert f"truncated to {LIMIT} tokens" in warnings[0] and "--long-inputs error" in warnings[0]
@@ -185,9 +185,9 @@ def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplo
 def test_a_stream_warns_once_and_numbers_lines_from_its_start(translator, caplog):
     model, tokenizer = translator
     lines = ["A dog.", LONG, "A cat.", LONG]
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
         assert len(list(translate_stream(model, tokenizer, lines, batch_size=1, num_beams=1))) == 4
-    assert len([r for r in caplog.records if r.name == "vaswani_transformer.evaluation"]) == 1
+    assert len([r for r in caplog.records if r.name == "vaswani_transformer.translation"]) == 1
     stream = translate_stream(model, tokenizer, lines, batch_size=2, long_inputs="error", num_beams=1)
     with pytest.raises(ValueError, match="^Sentence 2 has"):
         next(stream)
@@ -200,7 +200,7 @@ def test_a_stream_warns_once_and_numbers_lines_from_its_start(translator, caplog
 def test_learned_positions_limit_the_source_length_too(tokenizer):
     # Table 3 row E has no position vector beyond max_position_embeddings: without truncation the
     # model would raise on a longer source.
-    model = tiny_model(tokenizer, position_embedding_type="learned", max_position_embeddings=16)
+    model = random_model(tokenizer, position_embedding_type="learned", max_position_embeddings=16)
     assert tokenizer.model_max_length > 16 and len(tokenizer(LONG + " " + LONG)["input_ids"]) > 16
     assert len(translate(model, tokenizer, [LONG + " " + LONG], num_beams=1, max_new_tokens=4)) == 1
     with pytest.raises(ValueError, match="more than the model's limit of 16"):
@@ -227,7 +227,7 @@ def test_long_inputs_option_of_the_command_line(translator_dir, tmp_path, capsys
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load_time(tokenizer, tmp_path, capsys):
-    save_translator(tiny_model(tokenizer, vocab_size=500), tokenizer, tmp_path)
+    save_translator(random_model(tokenizer, vocab_size=500), tokenizer, tmp_path)
     with pytest.raises(ValueError, match=r"has 2000 tokens but the model has embeddings for config.vocab_size=500"):
         load_translator(str(tmp_path), "cpu")
     source = tmp_path / "in.en"
@@ -237,7 +237,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load_time(tokenize
 
 
 def test_special_token_ids_that_disagree_with_the_config_are_refused(tokenizer, tmp_path):
-    save_translator(tiny_model(tokenizer, eos_token_id=3), tokenizer, tmp_path)
+    save_translator(random_model(tokenizer, eos_token_id=3), tokenizer, tmp_path)
     with pytest.raises(ValueError, match=r"eos_token_id=2 but the model's config has eos_token_id=3: use the tokeni"):
         load_translator(str(tmp_path), "cpu")
 

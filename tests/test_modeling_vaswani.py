@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from conftest import tiny_model
+from conftest import random_model
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
@@ -49,7 +49,7 @@ def test_positional_encoding_has_no_length_limit():
 
 
 def test_embeddings_are_scaled_by_sqrt_d_model(tokenizer):
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     ids = torch.tensor([[5, 6, 7]])
     embedded = model.model.encoder.embeddings(ids)
     expected = model.model.shared(ids) * math.sqrt(32) + SinusoidalPositionalEncoding(32)(torch.arange(3))
@@ -128,7 +128,7 @@ def test_linear_through_onednn_can_be_differentiated_twice():
 def test_every_projection_of_a_training_step_goes_through_onednn_and_computes_what_f_linear_computes(
     tokenizer, test_sentences, monkeypatch
 ):
-    model = tiny_model(tokenizer, d_model=256, d_ff=1024, num_attention_heads=4).train()
+    model = random_model(tokenizer, d_model=256, d_ff=1024, num_attention_heads=4).train()
     projections = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert projections and all(type(m) is modeling_vaswani.Linear for m in projections)
     batch = _batch(tokenizer, *test_sentences)
@@ -169,14 +169,14 @@ def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logi
 
 
 def test_attention_projections_have_no_bias():
-    model = tiny_model()
+    model = random_model()
     for name, module in model.named_modules():
         if name.endswith(("q_proj", "k_proj", "v_proj", "out_proj")):
             assert module.bias is None, name
 
 
 def test_one_embedding_matrix_for_source_target_and_softmax_also_after_save_and_load(tokenizer, tmp_path):
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     uses = [
         model.model.encoder.embeddings.embed_tokens.weight,
         model.model.decoder.embeddings.embed_tokens.weight,
@@ -195,7 +195,7 @@ def test_one_embedding_matrix_for_source_target_and_softmax_also_after_save_and_
 
 
 def test_padded_batch_gives_the_same_outputs_as_each_sentence_alone(tokenizer, test_sentences):
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     sources, targets = test_sentences
     batch = _batch(tokenizer, sources, targets)
     assert (batch["attention_mask"] == 0).any(), "the batch should contain padding"
@@ -217,7 +217,7 @@ def test_padded_batch_gives_the_same_outputs_as_each_sentence_alone(tokenizer, t
 def test_unpadded_encoder_is_not_causal(tokenizer, test_sentences):
     # The SDPA path masks causally any module without is_causal=False; changing the last source token
     # must change the encoding of the first.
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     ids = tokenizer(test_sentences[0][0], return_tensors="pt")["input_ids"]
     changed = ids.clone()
     changed[0, -2] = (changed[0, -2] + 1) % len(tokenizer)
@@ -229,7 +229,7 @@ def test_unpadded_encoder_is_not_causal(tokenizer, test_sentences):
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_later_decoder_inputs_never_change_earlier_logits(tokenizer, test_sentences, attn_implementation):
-    model = tiny_model(tokenizer, attn_implementation=attn_implementation)
+    model = random_model(tokenizer, attn_implementation=attn_implementation)
     batch = _batch(tokenizer, test_sentences[0][:2], test_sentences[1][:2])
     decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
     changed = decoder_input_ids.clone()
@@ -245,7 +245,7 @@ def test_later_decoder_inputs_never_change_earlier_logits(tokenizer, test_senten
 def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences, cache_kind):
     # A dynamic cache holds only the positions seen, so a single new query needs no mask; a static one also
     # holds empty slots, which the causal mask must hide.
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
     with torch.no_grad():
@@ -282,7 +282,7 @@ def test_label_smoothed_loss_equals_a_hand_computed_value():
 
 
 def test_model_loss_ignores_padding_and_uses_the_configured_epsilon(tokenizer, test_sentences):
-    model = tiny_model(tokenizer, label_smoothing=0.2)
+    model = random_model(tokenizer, label_smoothing=0.2)
     batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
     with torch.no_grad():
         out = model(**batch)
@@ -302,8 +302,8 @@ def test_shift_tokens_right_starts_with_the_decoder_start_token():
 
 def test_sdpa_and_eager_attention_agree_and_eager_returns_every_attention_map(tokenizer, test_sentences):
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
-    sdpa = tiny_model(tokenizer, seed=3)
-    eager = tiny_model(tokenizer, seed=3, attn_implementation="eager")
+    sdpa = random_model(tokenizer, seed=3)
+    eager = random_model(tokenizer, seed=3, attn_implementation="eager")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     inputs["decoder_input_ids"] = sdpa.prepare_decoder_input_ids_from_labels(batch["labels"])
     kernel = sdpa(**inputs)  # with gradients enabled, every attention runs PyTorch's fused kernel
@@ -325,7 +325,7 @@ def test_sdpa_and_eager_attention_agree_and_eager_returns_every_attention_map(to
 
 
 def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sentences):
-    model = tiny_model(tokenizer, seed=5)
+    model = random_model(tokenizer, seed=5)
     inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
     generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=12)
     for row, (ids, mask) in enumerate(zip(inputs["input_ids"], inputs["attention_mask"], strict=True)):
@@ -344,7 +344,7 @@ def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sen
 
 
 def test_beam_search_with_one_beam_equals_greedy_decoding(tokenizer, test_sentences):
-    model = tiny_model(tokenizer, seed=6)
+    model = random_model(tokenizer, seed=6)
     inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
     greedy = model.generate(**inputs, num_beams=1, max_new_tokens=10)
     beam = model.generate(**inputs, num_beams=1, length_penalty=0.6, early_stopping=True, max_new_tokens=10)
@@ -352,7 +352,7 @@ def test_beam_search_with_one_beam_equals_greedy_decoding(tokenizer, test_senten
 
 
 def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(tokenizer, test_sentences):
-    model = tiny_model(tokenizer, seed=7)
+    model = random_model(tokenizer, seed=7)
     inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
     with_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=True)
     without_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=False)
@@ -361,7 +361,7 @@ def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(to
 
 def test_beams_sharing_one_encoder_row_get_the_logits_of_copied_rows(tokenizer, test_sentences):
     # Beam search hands the decoder one encoder row per sentence for all its beams (padded sources).
-    model = tiny_model(tokenizer, seed=3)
+    model = random_model(tokenizer, seed=3)
     inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
     with torch.no_grad():
         encoded = model.get_encoder()(**inputs)
@@ -449,7 +449,7 @@ def test_fused_projection_and_loss_give_the_value_and_gradients_of_materialised_
 def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(
     tokenizer, test_sentences, monkeypatch
 ):
-    model = tiny_model(tokenizer, seed=3)  # eval mode: no dropout, so both passes compute the same function
+    model = random_model(tokenizer, seed=3)  # eval mode: no dropout, so both passes compute the same function
     batch = _batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
     fused = model(**batch)
     assert fused.logits is None
@@ -512,7 +512,7 @@ def test_fused_loss_gives_a_trainable_bias_its_gradient_and_refuses_double_backw
 def test_stacks_match_torch_nn_transformer_on_a_padded_batch(tokenizer, test_sentences, norm_first):
     """Parity with an implementation written elsewhere: torch.nn.Transformer (ReLU)."""
     d_model, heads, d_ff, layers = 32, 4, 64, 2
-    model = tiny_model(tokenizer, seed=11, normalize_before=norm_first)
+    model = random_model(tokenizer, seed=11, normalize_before=norm_first)
     torch.manual_seed(12)
     reference = torch.nn.Transformer(
         d_model, heads, layers, layers, d_ff, dropout=0.0, batch_first=True, norm_first=norm_first
@@ -578,7 +578,7 @@ def test_stacks_match_torch_nn_transformer_on_a_padded_batch(tokenizer, test_sen
 def test_each_sentence_of_a_batch_stops_at_its_own_length_limit(tokenizer, test_sentences):
     # §6.1: output length at most input length + 50 (here + 3, and </s> otherwise suppressed so
     # that every sentence runs into its limit).
-    model = tiny_model(tokenizer, seed=8)
+    model = random_model(tokenizer, seed=8)
     inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
     source_lengths = inputs["attention_mask"].sum(-1)
     assert len(set(source_lengths.tolist())) > 1
@@ -622,7 +622,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, test_sentenc
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     gradients = []
     for checkpointing in (False, True):
-        model = tiny_model(tokenizer, seed=9, dropout=0.3).train()
+        model = random_model(tokenizer, seed=9, dropout=0.3).train()
         if checkpointing:
             model.activation_checkpointing_enable()
         torch.manual_seed(1)  # the same dropout masks in both runs, and again in the recomputed forward pass
@@ -633,7 +633,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, test_sentenc
 
 
 def test_bf16_autocast_on_cpu_runs_and_stays_close_to_float32(tokenizer, test_sentences):
-    model = tiny_model(tokenizer, seed=10)
+    model = random_model(tokenizer, seed=10)
     batch = _batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     with torch.no_grad():
         full = model(**batch)
@@ -651,7 +651,7 @@ def test_bf16_autocast_on_cpu_runs_and_stays_close_to_float32(tokenizer, test_se
 
 
 def test_resize_token_embeddings_keeps_the_three_uses_tied(tokenizer):
-    model = tiny_model(tokenizer)
+    model = random_model(tokenizer)
     model.resize_token_embeddings(len(tokenizer) + 8)
     shared = model.model.shared.weight
     assert shared.shape[0] == len(tokenizer) + 8 == model.config.vocab_size
@@ -854,7 +854,7 @@ def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():
 def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):
     inputs = tokenizer(test_sentences[0][:1], return_tensors="pt")
     with pytest.raises(ValueError, match="length_penalty_type"):
-        tiny_model(tokenizer).generate(**inputs, length_penalty_type="wu")
+        random_model(tokenizer).generate(**inputs, length_penalty_type="wu")
 
 
 # Table 3: parameters x 10^6 of the base model and of the variations that change them. Rows (A)
@@ -888,7 +888,7 @@ def test_table_3_variations_change_the_parameter_count_as_the_paper_reports():
 
 
 def test_explicit_head_sizes_shape_the_projections():
-    model = tiny_model(num_attention_heads=2, d_k=8, d_v=12)
+    model = random_model(num_attention_heads=2, d_k=8, d_v=12)
     attention = model.model.encoder.layers[0].self_attn
     assert attention.q_proj.weight.shape == attention.k_proj.weight.shape == (16, 32)
     assert attention.v_proj.weight.shape == (24, 32) and attention.out_proj.weight.shape == (32, 24)
@@ -897,7 +897,7 @@ def test_explicit_head_sizes_shape_the_projections():
 
 
 def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_limit():
-    model = tiny_model(position_embedding_type="learned", max_position_embeddings=16)
+    model = random_model(position_embedding_type="learned", max_position_embeddings=16)
     positions = model.model.encoder.embeddings.positional_encoding
     assert isinstance(positions, torch.nn.Embedding) and positions.weight.shape == (16, 32)
     assert positions.weight.requires_grad

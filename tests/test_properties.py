@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_model
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,7 @@ FEW = settings(max_examples=25, deadline=None)
 @pytest.fixture(scope="module")
 def models() -> dict:
     """One random tiny model per attention implementation (both must mask the same way)."""
-    return {name: tiny_model(seed=5, attn_implementation=name) for name in ("sdpa", "eager")}
+    return {name: random_model(seed=5, attn_implementation=name) for name in ("sdpa", "eager")}
 
 
 def ragged_batch(draw, batch: int | None = None, max_length: int = 10) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_log, tiny_run
+from conftest import read_log, mini_run
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
@@ -92,7 +92,7 @@ def test_validation_bleu_drives_best_checkpoint_early_stopping_and_tensorboard(m
     from vaswani_transformer import checkpoints as ckpt
     from vaswani_transformer.training import train
 
-    config = tiny_run(mini_corpus, tmp_path / "run", max_steps=40, eval_steps=2, bleu_sentences=8)
+    config = mini_run(mini_corpus, tmp_path / "run", max_steps=40, eval_steps=2, bleu_sentences=8)
     config.early_stopping_patience, config.report_to = 2, ["tensorboard"]
     output = train(config)
     validations = [r for r in read_log(output) if "validation_loss" in r]

@@ -276,7 +276,7 @@ def _generate_kwargs(args: argparse.Namespace) -> dict:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from .data import iter_lines
-    from .evaluation import corpus_bleu, load_translator, translate
+    from .translation import corpus_bleu, load_translator, translate
     from .hub import ensure_writable
 
     sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
@@ -324,7 +324,7 @@ def _translate(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
     from .data import iter_lines
-    from .evaluation import load_translator, translate_stream
+    from .translation import load_translator, translate_stream
     from .hub import ensure_writable
 
     if args.attention_dir:

@@ -229,7 +229,7 @@ def validation_loss(model, batches, accelerator: Accelerator) -> float:
 
 def validation_bleu(model, tokenizer, sources: list[str], references: list[str]) -> float:
     """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding)."""
-    from .evaluation import corpus_bleu, translate
+    from .translation import corpus_bleu, translate
 
     model.eval()
     hypotheses = translate(model, tokenizer, sources, 64)

@@ -1,4 +1,4 @@
-"""Translate with beam search and score with sacreBLEU through `evaluate` (§6.1)."""
+"""Translate with a trained model (beam search, §6.1) and score the translations with sacreBLEU through `evaluate`."""
 
 import itertools
 import logging
