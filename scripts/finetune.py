@@ -24,9 +24,9 @@ from transformers import (
 
 import vaswani_transformer  # noqa: F401  (registers the Auto classes)
 from vaswani_transformer.data import load_parallel_corpus
-from vaswani_transformer.translation import corpus_bleu
 from vaswani_transformer.hub import save_translator
 from vaswani_transformer.training import avoid_cudnn_attention
+from vaswani_transformer.translation import corpus_bleu
 
 
 def build_trainer(

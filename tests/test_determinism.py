@@ -3,9 +3,8 @@
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import MINI_MODEL
+from safetensors.torch import load_file
 
 from vaswani_transformer.training import TrainingConfig, train
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import cli_arguments, read_log, mini_run
+from conftest import cli_arguments, mini_run, read_log
 from safetensors.torch import load_file
 
 from vaswani_transformer.training import train

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_log, mini_run
+from conftest import mini_run, read_log
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 

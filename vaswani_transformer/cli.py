@@ -276,8 +276,8 @@ def _generate_kwargs(args: argparse.Namespace) -> dict:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from .data import iter_lines
-    from .translation import corpus_bleu, load_translator, translate
     from .hub import ensure_writable
+    from .translation import corpus_bleu, load_translator, translate
 
     sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
     if len(sources) != len(references):
@@ -324,8 +324,8 @@ def _translate(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
     from .data import iter_lines
-    from .translation import load_translator, translate_stream
     from .hub import ensure_writable
+    from .translation import load_translator, translate_stream
 
     if args.attention_dir:
         ensure_writable(args.attention_dir)
