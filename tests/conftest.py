@@ -48,6 +48,13 @@ def random_model(tokenizer=None, seed: int = 0, **overrides) -> VaswaniForCondit
     return VaswaniForConditionalGeneration(config).eval()
 
 
+def seq2seq_batch(tokenizer, sources, targets):
+    """Padded source ids, attention mask and labels, -100 on the labels' padding (as the loss expects)."""
+    encoded = tokenizer(list(sources), text_target=list(targets), padding=True, return_tensors="pt")
+    encoded["labels"] = encoded["labels"].masked_fill(encoded["labels"] == tokenizer.pad_token_id, -100)
+    return encoded
+
+
 @pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
     """A small model trained for 150 steps on Multi30k through the command line, saved with its tokenizer."""

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoTokenizer
 from vaswani_transformer import VaswaniConfig
 from vaswani_transformer.cli import main
 from vaswani_transformer.data import iter_lines, load_parallel_corpus
+from vaswani_transformer.generation_vaswani import paper_generation_config
 from vaswani_transformer.hub import ensure_writable, save_translator
-from vaswani_transformer.modeling_vaswani import paper_generation_config
 from vaswani_transformer.translation import corpus_bleu, load_translator, translate, translate_stream
 
 LIMIT = 12  # model_max_length of the saved translator's tokenizer, in tokens

@@ -29,7 +29,8 @@ import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
 from .configuration_vaswani import VaswaniConfig
-from .modeling_vaswani import VaswaniForConditionalGeneration, paper_generation_config
+from .generation_vaswani import paper_generation_config
+from .modeling_vaswani import VaswaniForConditionalGeneration
 
 # What MarianTokenizer (and a fast tokenizer, if one was saved) reads from a model directory.
 TOKENIZER_FILES = (

@@ -1,0 +1,283 @@
+"""Decoding as §6.1 decodes (`generation_vaswani.py`): beam search, length penalty and limit, against transformers."""
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import random_model
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.generation import logits_process
+
+from vaswani_transformer import VaswaniConfig, generation_vaswani
+from vaswani_transformer.modeling_vaswani import MultiHeadAttention
+
+
+def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sentences):
+    model = random_model(tokenizer, seed=5)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    generated = model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=12)
+    for row, (ids, mask) in enumerate(zip(inputs["input_ids"], inputs["attention_mask"], strict=True)):
+        decoded = torch.tensor([[model.config.decoder_start_token_id]])
+        with torch.no_grad():
+            for _ in range(12):
+                logits = model(input_ids=ids[None], attention_mask=mask[None], decoder_input_ids=decoded).logits[0, -1]
+                logits[model.generation_config.suppress_tokens] = float("-inf")  # <pad> and <s> (§6.1 config)
+                next_id = logits.argmax()
+                decoded = torch.cat([decoded, next_id.view(1, 1)], dim=1)
+                if next_id == model.config.eos_token_id:
+                    break
+        expected = decoded[0].tolist()
+        assert generated[row, : len(expected)].tolist() == expected
+        assert (generated[row, len(expected) :] == model.config.pad_token_id).all()
+
+
+def test_beam_search_with_one_beam_equals_greedy_decoding(tokenizer, test_sentences):
+    model = random_model(tokenizer, seed=6)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    greedy = model.generate(**inputs, num_beams=1, max_new_tokens=10)
+    beam = model.generate(**inputs, num_beams=1, length_penalty=0.6, early_stopping=True, max_new_tokens=10)
+    assert torch.equal(greedy, beam)
+
+
+def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(tokenizer, test_sentences):
+    model = random_model(tokenizer, seed=7)
+    inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
+    with_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=True)
+    without_cache = model.generate(**inputs, num_beams=4, max_new_tokens=10, use_cache=False)
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_each_sentence_of_a_batch_stops_at_its_own_length_limit(tokenizer, test_sentences):
+    # §6.1: output length at most input length + 50 (here + 3, and </s> otherwise suppressed so
+    # that every sentence runs into its limit).
+    model = random_model(tokenizer, seed=8)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    source_lengths = inputs["attention_mask"].sum(-1)
+    assert len(set(source_lengths.tolist())) > 1
+    for num_beams in (1, 3):
+        generated = model.generate(
+            **inputs, num_beams=num_beams, max_length_a=1.0, max_length_b=3, suppress_tokens=[2], max_new_tokens=200
+        )
+        # Tokens before the first </s> (HF's beam search pads finished rows with </s> when pad is id 0).
+        output_lengths = (generated[:, 1:] == tokenizer.eos_token_id).int().argmax(-1)
+        assert output_lengths.tolist() == (source_lengths + 3).tolist()
+
+
+@pytest.mark.parametrize("penalty_type", ["gnmt", "hf"])
+def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
+    trained_model_dir, test_sentences, penalty_type
+):
+    # §6.1 uses the GNMT penalty lp(Y) = ((5 + |Y|) / 6) ** alpha; HF's |Y| ** alpha stays available.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    assert model.generation_config.length_penalty_type == "gnmt"  # the paper's, by default
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    output = model.generate(
+        **inputs,
+        num_beams=4,
+        num_return_sequences=4,
+        length_penalty=0.6,
+        length_penalty_type=penalty_type,
+        return_dict_in_generate=True,
+        output_scores=True,
+        max_new_tokens=60,
+    )
+    eos = model.config.eos_token_id
+    checked = 0
+    for row, sequence in enumerate(output.sequences):
+        generated = sequence[1:]
+        if not (generated == eos).any():
+            continue
+        length = int((generated == eos).int().argmax()) + 1  # |Y| counts </s>
+        source = row // 4
+        with torch.no_grad():
+            logits = model(
+                input_ids=inputs["input_ids"][source : source + 1],
+                attention_mask=inputs["attention_mask"][source : source + 1],
+                decoder_input_ids=sequence[None, :length],
+            ).logits
+        log_probability = logits[0].log_softmax(-1).gather(-1, generated[:length, None]).sum().item()
+        penalty = ((5 + length) / 6) ** 0.6 if penalty_type == "gnmt" else length**0.6
+        assert output.sequences_scores[row].item() == pytest.approx(log_probability / penalty, abs=1e-4)
+        checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the paper's: beam 4, GNMT penalty 0.6, output length at most input length + 50
+        {"length_penalty_type": "hf", "num_beams": 5, "length_penalty": 1.0},
+        {"num_return_sequences": 4, "length_penalty": 2.0},  # all finished hypotheses, in order
+        {"num_return_sequences": 2, "max_length_a": 0.5, "max_length_b": 2, "no_repeat_ngram_size": 2},
+        # Token masks, added once per step, before and after a ForcedBOS processor.
+        {"min_new_tokens": 12, "min_length": 6, "num_return_sequences": 2},
+        {"forced_bos_token_id": 5, "min_new_tokens": 3},
+        {"repetition_penalty": 1.3, "num_beams": 3},  # a processor that returns a non-contiguous view
+        # Per-sentence state: every sentence stays in the batch, and a full one takes no more hypotheses.
+        {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
+    ],
+)
+def test_beam_search_returns_what_transformers_beam_search_returns(
+    trained_model_dir, test_sentences, monkeypatch, options
+):
+    # generate() runs our beam search, which drops finished sentences from the batch; asking for a
+    # dict of outputs runs transformers' own loop instead. Both must give the same hypotheses.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(test_sentences[0][:48], padding=True, return_tensors="pt")
+    calls = {"search": 0, "batch_narrowed": 0}
+    search, select = generation_vaswani.beam_search, generation_vaswani.SourceLengthLimit.select
+
+    def counted_search(*args, **kwargs):
+        calls["search"] += 1
+        return search(*args, **kwargs)
+
+    def counted_select(self, sentences):
+        calls["batch_narrowed"] += 1
+        return select(self, sentences)
+
+    monkeypatch.setattr(generation_vaswani, "beam_search", counted_search)
+    monkeypatch.setattr(generation_vaswani.SourceLengthLimit, "select", counted_select)
+    with torch.no_grad():
+        ours = model.generate(**inputs, **options)
+        reference = model.generate(**inputs, **options, return_dict_in_generate=True).sequences
+    assert calls["search"] == 1
+    assert (calls["batch_narrowed"] > 0) == ("encoder_no_repeat_ngram_size" not in options)
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize(
+    ("options", "first_step_rows_per_sentence"), [({}, 1), ({"encoder_no_repeat_ngram_size": 3}, 4)]
+)
+def test_beam_search_decodes_one_row_per_sentence_at_the_first_step(
+    trained_model_dir, test_sentences, options, first_step_rows_per_sentence
+):
+    # The num_beams rows of a sentence are identical before the first step: one of them is enough, unless a
+    # logits processor reads the beams of a sentence together.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(test_sentences[0][:6], padding=True, return_tensors="pt")
+    rows = []
+    model.model.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        model.generate(**inputs, num_beams=4, **options)
+    assert rows[0] == 6 * first_step_rows_per_sentence
+    assert rows[1] == 6 * 4
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa", "flash_attention_2"])
+def test_beam_search_cache_attends_as_the_reordered_dynamic_cache(attn_implementation):
+    # Each beam attends to its own hypothesis' keys and values, whether they move after every step
+    # (DynamicCache, eager attention) or stay where they were written (BeamSearchCache): one row per
+    # sentence at the first step, then 4 beams reordered at random for 70 steps, past the first capacity
+    # (32 positions) and, with SDPA, past the eager path's 1,024 scores to the fused kernel; one sentence
+    # leaves on the way. Flash attention takes no ancestry mask (nor runs here): the eager path stands in.
+    torch.manual_seed(0)
+    config = VaswaniConfig(d_model=16, num_attention_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1)
+    attention = MultiHeadAttention(config, is_causal=True).eval()
+    batch, beams = 3, 4
+    beam_cache = generation_vaswani.BeamSearchCache(1, batch, beams, 1, torch.device("cpu"))
+    ours = EncoderDecoderCache(beam_cache, DynamicCache())
+    reference = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    rows_per_sentence = 1
+    for step in range(70):
+        hidden_states = torch.randn(batch * rows_per_sentence, 1, 16)
+        with torch.no_grad():
+            config._attn_implementation = attn_implementation
+            got = attention(hidden_states, past_key_values=ours)[0]
+            config._attn_implementation = "eager"
+            want = attention(hidden_states, past_key_values=reference)[0]
+        torch.testing.assert_close(got, want)
+        kept = torch.tensor([0, 2]) if step == 40 else torch.arange(batch)
+        parents = torch.randint(0, rows_per_sentence, (len(kept), beams))
+        beam_idx = (kept[:, None] * rows_per_sentence + parents).view(-1)
+        ours.self_attention_cache.reorder_cache(beam_idx)
+        reference.self_attention_cache.reorder_cache(beam_idx)
+        batch, rows_per_sentence = len(kept), beams
+    assert beam_cache.batch_size == 2
+    assert ours.get_seq_length() == reference.get_seq_length() == 70
+    # What would leave the ancestry and the slots apart is refused.
+    for unsupported in (
+        beam_cache.reset,
+        lambda: beam_cache.batch_select_indices(torch.tensor([0])),
+        lambda: beam_cache.layers[0].reorder_cache(torch.tensor([0])),
+        lambda: beam_cache.layers[0].crop(-1),
+        lambda: beam_cache.layers[0].get_mask_sizes(1),
+    ):
+        with pytest.raises(NotImplementedError, match="DynamicCache"):
+            unsupported()
+
+
+def test_top_k_gives_what_torch_topk_gives(trained_model_dir, test_sentences):
+    # Beam candidates as beam search ranks them: a trained model's next-token log-probabilities for
+    # 8 sentences taken as 2 x 4 beams, with suppressed tokens at -inf, cut to whole chunks of 32 (also
+    # in column-major layout), to a few chunks, and to a length that 32 does not divide (which goes to
+    # torch.topk whole).
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(list(test_sentences[0]), padding=True, return_tensors="pt")
+    start = torch.full((8, 1), model.config.decoder_start_token_id)
+    with torch.no_grad():
+        log_probs = model(**inputs, decoder_input_ids=start).logits[:, -1].log_softmax(-1)
+    log_probs[:, [tokenizer.pad_token_id, tokenizer.bos_token_id]] = -math.inf
+    candidates = log_probs.view(2, -1)
+    whole_chunks = candidates.shape[1] // 32 * 32
+    column_major = candidates[:, :whole_chunks].t().contiguous().t()  # same scores, not laid out row by row
+    for scores in (
+        candidates[:, :whole_chunks],
+        column_major,
+        candidates[:, : 9 * 32],
+        candidates[:, : whole_chunks - 7],
+    ):
+        for k in (1, 8):
+            values, indices = generation_vaswani.top_k(scores, k)
+            expected = scores.topk(k)
+            assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    # Scores rounded to half a nat tie by the hundred: the same values, and k distinct indices that hold them.
+    tied = candidates[:, :whole_chunks].mul(2).round().div(2)
+    values, indices = generation_vaswani.top_k(tied, 8)
+    assert torch.equal(values, tied.topk(8).values) and torch.equal(tied.gather(1, indices), values)
+    assert all(len(set(row)) == 8 for row in indices.tolist())
+
+
+def test_token_masks_move_first_only_past_processors_that_keep_minus_infinity():
+    # Forcing a token overwrites every score, so a mask after it would change the result if it ran first.
+    lp = logits_process
+    min_new = lp.MinNewTokensLengthLogitsProcessor(1, 3, eos_token_id=2)
+    repetition = lp.RepetitionPenaltyLogitsProcessor(1.2)
+    forced = lp.ForcedBOSTokenLogitsProcessor(5)
+    suppress = lp.SuppressTokensLogitsProcessor([0, 1])
+    masks, others = generation_vaswani._hoist_token_masks([repetition, min_new, forced, suppress])
+    assert list(masks) == [min_new] and list(others) == [repetition, forced, suppress]
+
+
+def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):
+    inputs = tokenizer(test_sentences[0][:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="length_penalty_type"):
+        random_model(tokenizer).generate(**inputs, length_penalty_type="wu")
+
+
+def test_generate_from_four_threads_at_once_gives_each_call_what_it_gives_alone(trained_model_dir, test_sentences):
+    # One model serves many threads: the length penalty of one call, and its form, never reach another.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(list(test_sentences[0]), padding=True, return_tensors="pt")
+    calls = [
+        dict(
+            length_penalty_type=penalty_type, early_stopping=early_stopping, num_return_sequences=4, length_penalty=2.0
+        )
+        for penalty_type in ("gnmt", "hf")
+        for early_stopping in (True, False)  # the fast loop, and transformers' own
+    ]
+    alone = [model.generate(**inputs, **call) for call in calls]
+    assert not torch.equal(alone[0], alone[2]) and not torch.equal(alone[1], alone[3])  # the two penalties differ
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            futures = [pool.submit(model.generate, **inputs, **call) for call in calls]
+            for future, expected in zip(futures, alone, strict=True):
+                assert torch.equal(future.result(), expected)

@@ -1,0 +1,613 @@
+"""Decoding as the paper decodes (§6.1), for `VaswaniForConditionalGeneration.generate()`.
+
+"We used beam search with a beam size of 4 and length penalty alpha = 0.6 [Wu et al., 2016]. [...]
+We set the maximum output length during inference to input length + 50, but terminate early when
+possible." This module holds that decoding as `VaswaniGenerationMixin`, which the model class
+inherits (as transformers' Whisper inherits `WhisperGenerationMixin`): the paper's generation
+config, the GNMT length penalty, the per-sentence length limit, and a beam search that gives
+transformers' hypotheses with less work per step, with the key/value cache it needs. Everything
+else (greedy search, sampling, scores, streaming) is transformers' `GenerationMixin`.
+
+The state of one `generate()` call lives in that call's generation config and arguments, never
+on the model: one model serves many threads at once.
+"""
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation import (
+    EosTokenCriteria,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    logits_process,
+)
+from transformers.modeling_outputs import BaseModelOutput
+
+from .configuration_vaswani import VaswaniConfig
+
+# The paper's settings (§6.1) ----------------------------------------------------------------------
+
+
+def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
+    """The paper's decoding (§6.1): beam size 4, GNMT length penalty alpha 0.6, output length at most input length + 50.
+
+    Search stops as soon as 4 hypotheses are finished; `max_new_tokens` 256 caps every batch;
+    `<pad>` and `<s>` are never generated.
+
+    Args:
+        config: gives the special token ids.
+
+    Returns:
+        A `GenerationConfig` for `VaswaniForConditionalGeneration.generate`.
+    """
+    return GenerationConfig(
+        num_beams=4,
+        length_penalty=0.6,
+        length_penalty_type="gnmt",
+        early_stopping=True,
+        max_new_tokens=256,
+        max_length_a=1.0,
+        max_length_b=50,
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        suppress_tokens=[t for t in (config.pad_token_id, config.bos_token_id) if t is not None],
+    )
+
+
+def gnmt_length_penalty(length: int, alpha: float) -> float:
+    """lp(Y) = ((5 + |Y|) / 6) ** alpha, the length penalty of Wu et al. (2016) that §6.1 uses with alpha 0.6.
+
+    Args:
+        length: |Y|, output tokens (with `</s>`), >= 1.
+        alpha: the strength; 0 disables the penalty.
+
+    Returns:
+        The divisor of the hypothesis' log-probability.
+    """
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+class GNMTLengthPenalty(float):
+    """alpha, the strength of the GNMT length penalty, as a float whose powers are that penalty (§6.1).
+
+    transformers' beam search divides a finished hypothesis' log-probability by `length ** length_penalty`.
+    Given this float as `length_penalty`, `length ** GNMTLengthPenalty(alpha)` is
+    `gnmt_length_penalty(length, alpha)` instead, so that transformers' loop, and `beam_search`,
+    score hypotheses as the paper does with no state outside the call's generation config. In every
+    other use (comparisons, arithmetic, JSON) it is the float alpha.
+    """
+
+    def __rpow__(self, length: int) -> float:
+        return gnmt_length_penalty(length, float(self))
+
+    def __repr__(self) -> str:
+        return f"GNMTLengthPenalty({float(self)!r})"
+
+
+class SourceLengthLimit(LogitsProcessor):
+    """Forces `</s>` once sentence i has `limits[i]` output tokens: the per-sentence length limit of §6.1.
+
+    Args:
+        limits: `(batch,)` maximum number of output tokens before `</s>`, per source sentence.
+        eos_token_id: id of `</s>`.
+    """
+
+    def __init__(self, limits: torch.Tensor, eos_token_id: int) -> None:
+        self.limits = limits
+        self.eos_token_id = eos_token_id
+
+    def select(self, sentences: torch.Tensor) -> "SourceLengthLimit":
+        """The limit for the sentences left in a batch: `sentences` `(kept,)` indexes this batch."""
+        return SourceLengthLimit(self.limits[sentences.to(self.limits.device)], self.eos_token_id)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """`input_ids` `(batch * beams, 1 + generated)` (the decoder start first), `scores` `(batch * beams, vocab)`."""
+        limits = self.limits.to(input_ids.device).repeat_interleave(input_ids.shape[0] // self.limits.shape[0])
+        at_limit = input_ids.shape[1] - 1 >= limits
+        if at_limit.any():
+            forced = torch.full_like(scores[0], float("-inf"))
+            forced[self.eos_token_id] = 0.0
+            scores = torch.where(at_limit[:, None], forced, scores)
+        return scores
+
+
+# transformers' generate() with the paper's decoding ---------------------------------------------
+
+
+class VaswaniGenerationMixin(GenerationMixin):
+    """`GenerationMixin` with the paper's length penalty and length limit (§6.1) and a faster beam search.
+
+    Mixed into `VaswaniForConditionalGeneration`, whose forward pass and caches it drives.
+    """
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        logits_processor: LogitsProcessorList | None = None,
+        **kwargs,
+    ):
+        """`GenerationMixin.generate`, plus the paper's decoding (§6.1): GNMT length penalty, per-sentence limit.
+
+        "We used beam search with a beam size of 4 and length penalty alpha = 0.6 [Wu et al., 2016]":
+        with `length_penalty_type="gnmt"` (in the generation config or as an argument) a finished
+        hypothesis Y scores log P(Y|X) / lp(Y), lp(Y) = ((5 + |Y|) / 6) ** alpha, alpha being
+        `length_penalty` and |Y| counting the generated tokens with `</s>`. `"hf"` (the default when
+        the generation config says nothing) keeps transformers' log P(Y|X) / |Y| ** alpha.
+
+        "We set the maximum output length during inference to input length + 50": with
+        `max_length_a` and `max_length_b` set (fairseq's max_len_a and max_len_b), sentence i of the
+        batch ends with `</s>` after at most `max_length_a * source_length_i + max_length_b` tokens,
+        source_length_i counting its non-padding tokens. Without them, HF's batch-wide
+        `max_new_tokens` alone applies. With learned positions (Table 3, row E) at most
+        `max_position_embeddings` tokens are generated: the model has no position vector beyond them.
+
+        Args:
+            inputs: `(batch, source_len)` source ids (or pass `input_ids=`).
+            generation_config: replaces the model's generation config.
+            logits_processor: extra logits processors.
+            **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`,
+                `length_penalty_type`, `max_length_a`, ...).
+
+        Beam search with `early_stopping=True` that returns only the sequences (the paper's, and
+        what `translate`, the pipeline and `evaluate` ask for) runs `beam_search`, which gives HF's
+        hypotheses faster; anything else runs HF's own loop.
+
+        Returns:
+            What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
+
+        Raises:
+            ValueError: `length_penalty_type` is neither "gnmt" nor "hf".
+        """
+        config = generation_config or self.generation_config
+        penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
+        if penalty_type not in ("gnmt", "hf"):
+            raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
+        a = kwargs.pop("max_length_a", getattr(config, "max_length_a", None))
+        b = kwargs.pop("max_length_b", getattr(config, "max_length_b", None))
+        source = inputs if inputs is not None else kwargs.get("input_ids")
+        if a is not None and b is not None and source is not None:
+            mask = kwargs.get("attention_mask")
+            source_lengths = mask.sum(-1) if mask is not None else source.ne(self.config.pad_token_id).sum(-1)
+            limits = (a * source_lengths + b).long()
+            logits_processor = LogitsProcessorList(
+                [*(logits_processor or []), SourceLengthLimit(limits, config.eos_token_id)]
+            )
+            longest = int(limits.max()) + 1  # room for the final </s>
+            kwargs["max_new_tokens"] = min(longest, kwargs.get("max_new_tokens") or config.max_new_tokens or longest)
+        if self.config.position_embedding_type == "learned":
+            # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of
+            # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
+            limit = self.config.max_position_embeddings
+            kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
+        # The penalty's form travels with this call, in the alpha that its generation config gets.
+        alpha = kwargs.get("length_penalty", config.length_penalty)
+        kwargs["length_penalty"] = GNMTLengthPenalty(alpha) if penalty_type == "gnmt" else float(alpha)
+        return super().generate(
+            inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+        )
+
+    def _beam_search(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs,
+    ) -> torch.LongTensor:
+        # By now `generate` has merged the generation config, encoded the source once, copied it to
+        # every beam and built the logits processors; only the search loop is replaced, and only for
+        # the plain beam search of §6.1. Scores, attentions, sampling and the like stay with HF's loop.
+        if _plain_beam_search(input_ids, generation_config, stopping_criteria, synced_gpus, model_kwargs):
+            return beam_search(self, input_ids, logits_processor, generation_config, **model_kwargs)
+        return super()._beam_search(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
+        )
+
+    def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.Tensor) -> EncoderDecoderCache:
+        # Called after each step to follow the surviving beams, by HF's beam search (a DynamicCache, whose
+        # self-attention keys and values are gathered) and by `beam_search` (a BeamSearchCache, which
+        # follows them through its ancestry). Beams move only within their sentence, and every beam of a
+        # sentence attends to the same encoder output: the cross-attention keys and values stay in order.
+        past_key_values.self_attention_cache.reorder_cache(beam_idx)
+        return past_key_values
+
+
+# The fast beam search and its cache -----------------------------------------------------------------
+
+
+def _plain_beam_search(
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    stopping_criteria: StoppingCriteriaList,
+    synced_gpus: bool,
+    model_kwargs: dict,
+) -> bool:
+    # What `beam_search` does exactly as HF's loop does: deterministic search that stops a sentence
+    # at num_beams finished hypotheses, ends on </s> or the length limit, returns only sequences.
+    config = generation_config
+    return (
+        input_ids.shape[1] < config.max_length
+        and not config.do_sample
+        and config.early_stopping is True
+        and not config.return_dict_in_generate
+        and config._eos_token_tensor is not None
+        and not synced_gpus
+        and all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
+        and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
+        # `beam_search` replaces the self-attention cache and fills the cross-attention one: both must be
+        # empty, and the first the default dynamic cache (not a static or offloaded one the user asked for).
+        and type(model_kwargs["past_key_values"].self_attention_cache) is DynamicCache
+        and not model_kwargs["past_key_values"].self_attention_cache.offloading
+        and model_kwargs["past_key_values"].self_attention_cache.get_seq_length() == 0
+        and model_kwargs["past_key_values"].cross_attention_cache.get_seq_length() == 0
+        and "encoder_outputs" in model_kwargs
+    )
+
+
+# Processors that look at each row on its own: beam search may drop finished sentences under them.
+_ROW_WISE_PROCESSORS = (
+    logits_process.ForcedBOSTokenLogitsProcessor,
+    logits_process.ForcedEOSTokenLogitsProcessor,
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.SequenceBiasLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
+)
+
+# Processors that forbid the same tokens in every row (a -inf where they act, the score elsewhere).
+# HF's versions each pass over all (rows, vocab) scores with torch.where: with min_length,
+# min_new_tokens and suppress_tokens, more than the output projection in beam search over a small
+# model on the CPU (docs/performance.md, "Beam search"; the paper's configuration has only suppress_tokens).
+# Evaluated on one row of zeros they give a 0 / -inf mask, whose -inf columns are then filled.
+_TOKEN_MASKS = (
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
+)
+# Processors that keep -inf at -inf and read each token's score alone: a token mask may move before them.
+_COMMUTE_WITH_MASKS = (
+    *_TOKEN_MASKS,
+    logits_process.EncoderNoRepeatNGramLogitsProcessor,
+    logits_process.EncoderRepetitionPenaltyLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.SequenceBiasLogitsProcessor,
+)
+
+
+def _hoist_token_masks(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
+    # (the token masks that can run first, the other processors in their order)
+    masks, others = LogitsProcessorList(), LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, _TOKEN_MASKS) and all(isinstance(p, _COMMUTE_WITH_MASKS) for p in others):
+            masks.append(processor)
+        else:
+            others.append(processor)
+    return masks, others
+
+
+def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row and their indices, best first: the values of `torch.topk(scores, k)`.
+
+    Beam search picks its candidates among num_beams * vocabulary scores per sentence (§6.1). On the
+    CPU, `torch.topk` costs several passes over such a row, which with a small model rivals the output
+    projection (docs/performance.md, "Beam search"). The k largest scores lie in the k chunks with the largest
+    maxima, so one vectorised max over chunks of `chunk` scores narrows the search to k * chunk of them.
+    Among equal scores the indices may come in another order than `torch.topk`'s, which PyTorch does
+    not specify either. Other devices, and rows whose length `chunk` does not divide, go to `torch.topk`.
+
+    Args:
+        scores: `(rows, n)`.
+        k: how many to keep, at most n.
+        chunk: scores per chunk.
+
+    Returns:
+        Values and indices, each `(rows, k)`.
+
+    Raises:
+        RuntimeError: k > n (from `torch.topk`).
+    """
+    rows, n = scores.shape
+    if scores.device.type != "cpu" or n % chunk or k * chunk >= n:
+        return scores.topk(k)
+    best_chunks = scores.view(rows, n // chunk, chunk).amax(dim=-1).topk(k, sorted=False).indices
+    indices = (best_chunks[..., None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
+    values, best = scores.gather(1, indices).topk(k)
+    return values, indices.gather(1, best)
+
+
+def _beam_search_cache_unsupported(*args, **kwargs) -> None:
+    # What `BeamSearchCache` and its layers refuse: an edit that would leave the beams' ancestry and their slots apart.
+    raise NotImplementedError(
+        "BeamSearchCache serves `beam_search`: it appends positions, follows the beams through their ancestry "
+        "(`reorder_cache`) and drops finished sentences; use a DynamicCache to reset, crop, repeat, select or "
+        "reorder the rows of a cache, or to build attention masks from it."
+    )
+
+
+class BeamSearchCacheLayer(DynamicLayer):
+    """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
+
+    Each position's keys and values are written once, in the slot of the beam that produced them:
+    buffers laid out `(batch, heads, capacity, num_beams, d_k)`, which grow to twice the length needed
+    when full. `keys` and `values` are `(batch, heads, length * num_beams, d_k)` views of them, every slot
+    of every position of a sentence, to which its beams attend as one query sequence, each masked to its
+    own ancestors by `BeamSearchCache.mask`. Reordering the beams thus moves no keys or values, where
+    gathering the surviving beams' copies after every step would read and write the whole cache
+    (docs/performance.md, "Beam search"). They are copied only when the buffers grow
+    and when sentences leave the batch. Made for `BeamSearchCache`, which appends and drops sentences:
+    reordering, cropping and repeating rows, and building masks from the layer, raise NotImplementedError.
+    """
+
+    is_croppable = False
+
+    def __init__(self, num_beams: int) -> None:
+        super().__init__()
+        self.num_beams = num_beams
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._buffers = tuple(self._allocate(states, capacity=32) for states in (key_states, value_states))
+        self.is_initialized = True
+
+    def _allocate(self, states: torch.Tensor, capacity: int) -> torch.Tensor:
+        # states: `(batch, heads, ..., d)`, giving the batch, heads and d of the new buffer
+        return states.new_empty(states.shape[0], states.shape[1], capacity, self.num_beams, states.shape[-1])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one position, `(batch, heads, num_beams, d_k)` keys and values (one per slot, or one for all).
+
+        Returns:
+            All keys and values, `(batch, heads, length * num_beams, d_k)`, position-major.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.length == self._buffers[0].shape[2]:
+            grown = tuple(self._allocate(buffer, capacity=2 * self.length) for buffer in self._buffers)
+            for new, old in zip(grown, self._buffers, strict=True):
+                new[:, :, : self.length] = old
+            self._buffers = grown
+        for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
+            buffer[:, :, self.length] = states
+        self.length += 1
+        self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Positions held (not slots: `keys` has `num_beams` slots per position)."""
+        return self.length if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sentences `indices` `(new_batch,)`, in that order."""
+        if self.is_initialized:
+            indices = indices.to(self.device)
+            self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
+
+    reorder_cache = crop = batch_repeat_interleave = get_mask_sizes = _beam_search_cache_unsupported
+
+
+class BeamSearchCache(Cache):
+    """The masked self-attention cache of `beam_search`: one `BeamSearchCacheLayer` per decoder layer.
+
+    It keeps each beam's ancestry: `ancestry[sentence, beam, position]`, `(batch, beams, length)`, is the
+    slot in which that beam's hypothesis wrote its keys and values for the position. Beam i of a sentence
+    may attend to the slot of its ancestry at each position and to no other (§3.2.3: a position attends
+    to the positions up to and including it, here of its own hypothesis); that is `mask`, `(batch, 1,
+    beams, length * num_beams)`, True where attending is allowed, the SDPA format, made once per step
+    for every layer. `beams` is the rows per sentence of the step: 1 or num_beams at the first one.
+
+    Only `update`, `reorder_cache` and the length queries are supported: resetting, cropping, repeating or
+    selecting rows through the `Cache` interface would leave the ancestry behind, and raise NotImplementedError.
+
+    Args:
+        num_layers: decoder layers.
+        batch_size: sentences.
+        num_beams: slots per position.
+        rows_per_sentence: decoder rows per sentence at the first step (1 or num_beams).
+        device: where the ancestry and the mask are made (the decoder input's device); the attention
+            moves the mask to each layer's device.
+    """
+
+    def __init__(
+        self, num_layers: int, batch_size: int, num_beams: int, rows_per_sentence: int, device: torch.device
+    ) -> None:
+        super().__init__(layers=[BeamSearchCacheLayer(num_beams) for _ in range(num_layers)])
+        self.num_beams = num_beams
+        self.ancestry = torch.empty(batch_size, rows_per_sentence, 0, dtype=torch.long, device=device)
+        self.mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Sentences still in the batch."""
+        return self.ancestry.shape[0]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one position to layer `layer_idx`: `(batch, heads, beams, d_k)` keys and values.
+
+        Returns:
+            All keys and values of the layer, `(batch, heads, length * num_beams, d_k)`.
+        """
+        if layer_idx == 0:
+            # Each beam writes the new position into its own slot (with one row per sentence, slot 0
+            # stands for all, which the layer fills alike).
+            batch, beams, _ = self.ancestry.shape
+            slots = torch.arange(beams, device=self.ancestry.device).expand(batch, beams)
+            self.ancestry = torch.cat((self.ancestry, slots[..., None]), dim=2)
+            all_slots = torch.arange(self.num_beams, device=self.ancestry.device)
+            self.mask = (self.ancestry[..., None] == all_slots).flatten(2)[:, None]
+        return super().update(key_states, value_states, layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Go on with row `beam_idx[i]` of the last step as row i, `(new_batch * num_beams,)`.
+
+        The rows are numbered sentence by sentence, `beams` each, and those of a sentence stay together.
+        A sentence none of whose rows go on leaves the batch: its keys and values go, which copies the
+        others' (the only copy besides the buffers' growth).
+        """
+        batch, beams, length = self.ancestry.shape
+        sentences = beam_idx[:: self.num_beams] // beams
+        if sentences.shape[0] != batch:
+            for layer in self.layers:
+                layer.batch_select_indices(sentences)
+        self.ancestry = self.ancestry.view(batch * beams, length)[beam_idx].view(-1, self.num_beams, length)
+
+    reset = crop = batch_repeat_interleave = batch_select_indices = _beam_search_cache_unsupported
+
+
+@torch.no_grad()
+def beam_search(
+    model: VaswaniGenerationMixin,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    generation_config: GenerationConfig,
+    **model_kwargs,
+) -> torch.LongTensor:
+    """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
+
+    It chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
+    with less work per step (docs/performance.md, "Beam search"): the first step decodes one row per
+    sentence, not num_beams identical ones; the beams of a sentence share one copy of its encoder output
+    and of the cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the
+    batch (its rows of the caches, the encoder output and the mask go); the self-attention keys and
+    values stay where they were written, each beam attending to its ancestors' (`BeamSearchCache`);
+    token masks among the logits processors fill the columns they forbid; a candidate's sequence is
+    built only when it ends, and finished hypotheses are merged only on steps where some end. A
+    hypothesis Y that ends scores log P(Y|X) / |Y| ** length_penalty, |Y| counting the generated tokens
+    with `</s>`: transformers' penalty, or the paper's when `length_penalty` is a `GNMTLengthPenalty`.
+    Sentences stay in the batch, and the first step runs every row, as in HF's loop, when a logits
+    processor keeps state per sentence that this function cannot narrow.
+
+    Args:
+        model: gives the forward pass and the cache reordering.
+        input_ids: `(batch * num_beams, prompt_len)` decoder prompt, the decoder start token in each row.
+        logits_processor: applied to the log-probabilities of every step, as HF's loop applies them.
+        generation_config: gives `num_beams`, `length_penalty` (alpha, a float or a `GNMTLengthPenalty`),
+            `max_length` (prompt included), `num_return_sequences` and the `</s>` and `<pad>` ids.
+        **model_kwargs: `encoder_outputs` and `attention_mask` expanded to the beams, and
+            `past_key_values`, an empty `EncoderDecoderCache` whose cross-attention cache is used, as
+            `generate` prepares them.
+
+    Returns:
+        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first, padded
+        after `</s>` to the longest one returned.
+    """
+    num_beams, length_penalty = generation_config.num_beams, generation_config.length_penalty
+    max_length = generation_config.max_length
+    eos = generation_config._eos_token_tensor
+    pad = generation_config._pad_token_tensor
+    fill = int(pad or eos[0])  # as HF fills, a pad id of 0 included
+    rows, prompt_len = input_ids.shape
+    batch = rows // num_beams
+    device = input_ids.device
+    # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
+    num_candidates = max(2, 1 + eos.numel()) * num_beams
+    can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
+    token_masks, logits_processor = _hoist_token_masks(logits_processor)
+
+    # The finished hypotheses of every sentence, best first.
+    finished = input_ids.new_full((batch, num_beams, max_length), fill)
+    finished_scores = torch.full((batch, num_beams), -1.0e9, device=device)
+    finished_lengths = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
+    is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
+
+    # The running beams of the sentences still in the batch (`active`, by their index in the batch).
+    # All beams of a sentence start alike. Where every processor reads each row alone, the first step
+    # runs one row per sentence, whose best continuations become its beams; otherwise it runs them all,
+    # and only the first of each sentence may expand.
+    active = torch.arange(batch, device=device)
+    first_rows = input_ids[::num_beams] if can_drop else input_ids
+    sequences = input_ids.new_full((first_rows.shape[0], max_length), fill)
+    sequences[:, :prompt_len] = first_rows
+    scores = torch.zeros(batch, first_rows.shape[0] // batch, device=device)
+    scores[:, 1:] = -1.0e9
+    self_attention_cache = BeamSearchCache(
+        model.config.decoder_layers, batch, num_beams, first_rows.shape[0] // batch, device
+    )
+    cache = EncoderDecoderCache(self_attention_cache, model_kwargs["past_key_values"].cross_attention_cache)
+    # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
+    # so the decoder gets one row per sentence, and its keys and values are computed once.
+    encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[::num_beams]
+    attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = attention_mask[::num_beams] if attention_mask is not None else None
+
+    for length in range(prompt_len, max_length):
+        logits = model(
+            decoder_input_ids=sequences[:, length - 1 : length],
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_states),
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        log_probs = logits.float().log_softmax(dim=-1)
+        vocab_size = log_probs.shape[-1]
+        if token_masks:
+            # A handful of forbidden tokens: filling their columns spares a pass over all the scores.
+            mask = token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))[0]
+            log_probs.index_fill_(1, (mask == float("-inf")).nonzero().squeeze(1), float("-inf"))
+        log_probs = logits_processor(sequences[:, :length], log_probs)
+        beams = scores.shape[1]
+        # reshape: a processor may return a strided view, which `view` cannot regroup (RepetitionPenaltyLogitsProcessor)
+        candidates = log_probs.reshape(len(active), beams, vocab_size).add_(scores[..., None]).reshape(len(active), -1)
+        candidate_scores, candidate_ids = top_k(candidates, min(num_candidates, candidates.shape[1]))
+        sentence_rows = torch.arange(len(active), device=device)[:, None]
+        candidate_rows = candidate_ids // vocab_size + sentence_rows * beams
+        candidate_tokens = candidate_ids % vocab_size
+        ends = torch.isin(candidate_tokens, eos) | (length + 1 >= max_length)
+
+        # A candidate among the best num_beams that ends joins its sentence's finished hypotheses,
+        # of which the best num_beams are kept, until the sentence has num_beams of them.
+        just_finished = ends[:, :num_beams] & ~is_finished[active].all(dim=1, keepdim=True)
+        if just_finished.any():
+            generated = length + 1 - prompt_len
+            new_scores = candidate_scores[:, :num_beams] / generated**length_penalty - 1.0e9 * ~just_finished
+            new = sequences[candidate_rows[:, :num_beams]]
+            new[..., length] = candidate_tokens[:, :num_beams]
+            merged_scores, best = torch.cat((finished_scores[active], new_scores), dim=1).topk(num_beams)
+            finished[active] = torch.cat((finished[active], new), dim=1)[sentence_rows, best]
+            new_lengths = finished_lengths.new_full(new_scores.shape, generated)
+            finished_lengths[active] = torch.cat((finished_lengths[active], new_lengths), dim=1).gather(1, best)
+            is_finished[active] = torch.cat((is_finished[active], just_finished), dim=1).gather(1, best)
+            finished_scores[active] = merged_scores
+        done = is_finished[active].all(dim=1)
+        if bool(done.all()) or length + 1 >= max_length:
+            break
+
+        # The best num_beams candidates that go on become the beams of the next step.
+        running = (candidate_scores - 1.0e9 * ends).topk(num_beams).indices
+        scores = candidate_scores.gather(1, running) - 1.0e9 * ends.gather(1, running)
+        beam_rows = candidate_rows.gather(1, running)
+        tokens = candidate_tokens.gather(1, running)
+        if can_drop and bool(done.any()):
+            kept = (~done).nonzero().squeeze(1)
+            active, scores, beam_rows, tokens = active[kept], scores[kept], beam_rows[kept], tokens[kept]
+            encoder_states = encoder_states[kept]
+            attention_mask = attention_mask[kept] if attention_mask is not None else None
+            cache.cross_attention_cache.reorder_cache(kept)  # the self-attention cache finds `kept` in beam_rows
+            logits_processor = LogitsProcessorList(
+                p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in logits_processor
+            )
+        sequences = sequences[beam_rows.view(-1)]
+        sequences[:, length] = tokens.view(-1)
+        cache = model._reorder_cache(cache, beam_rows.view(-1))
+
+    returned = generation_config.num_return_sequences
+    output_length = prompt_len + int(finished_lengths[:, :returned].max())
+    return finished[:, :returned, :output_length].reshape(batch * returned, output_length)

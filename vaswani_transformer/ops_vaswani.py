@@ -1,0 +1,327 @@
+"""Low-level kernels of the Transformer: its linear maps, residual dropout and label-smoothed loss.
+
+Each computes what its plain PyTorch counterpart computes (`F.linear`, `F.dropout`, the
+projection followed by `F.cross_entropy(label_smoothing=...)`), to float rounding, with fewer
+passes over memory on the CPU; each falls back to that counterpart where it would not help. How each works,
+and why it is faster, is in the project's `docs/performance.md` under the section named in its
+docstring. Only PyTorch is imported here: the module is copied into saved models for
+`trust_remote_code` loading.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Linear maps x W^T + b: every projection of §3.2.2, §3.3 and §3.4 -------------------------------
+
+
+def _onednn_linear_op() -> Callable | None:
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+    except (AttributeError, RuntimeError):  # a PyTorch built without oneDNN
+        return None
+
+
+# PyTorch computes float32 products on the CPU with MKL, which leaves the vector units of some processors partly
+# idle (AVX-512 on AMD's); oneDNN, also inside PyTorch, uses them (docs/performance.md, "Products through oneDNN").
+# PyTorch sends only bfloat16 and float16 products to oneDNN; this operator is the one `torch.compile` emits for
+# linear layers on the CPU.
+_ONEDNN_LINEAR = _onednn_linear_op()
+# A oneDNN call has a higher fixed cost than MKL's, which only products of at least 2^21 multiply-adds earn back.
+_ONEDNN_MIN_PRODUCT = 2**21
+
+
+def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
+    # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
+    return (
+        _ONEDNN_LINEAR is not None
+        and torch.backends.mkldnn.enabled
+        and input.device.type == weight.device.type == "cpu"
+        and input.dim() >= 2
+        and input.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _transposed_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # a^T b of (rows, m) and (rows, n), a weight gradient, as `linear`: a^T (b^T)^T, or (b^T a)^T. oneDNN copies the
+    # transposed first operand into a contiguous one, so the narrower of a and b takes that place.
+    return linear(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else linear(a.t(), b.t())
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, each product computed by oneDNN: see `linear`.
+
+    `apply(input, weight, bias)` takes `(*, in_features)` float32 CPU input, an `(out_features,
+    in_features)` weight and an `(out_features,)` bias or None, and returns `(*, out_features)`.
+    The gradients are linear maps again, computed by `linear`, so they can be differentiated in turn.
+    Raises RuntimeError (from oneDNN) if the shapes do not fit.
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
+            grad_input = linear(grad_output, weight.t())
+        if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x
+            grad_weight = _transposed_product(grad_output.flatten(0, -2), input.flatten(0, -2))
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_output.flatten(0, -2).sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, as `torch.nn.functional.linear`, through oneDNN for float32 products on the CPU.
+
+    Every projection of the model is one: W^Q, W^K, W^V and W^O (§3.2.2), W_1 and W_2 (§3.3, Eq. 2)
+    and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
+    rounding, but its products run faster where MKL, PyTorch's usual library for them, leaves the
+    CPU's vector units partly idle (docs/performance.md, "Products through oneDNN"). Products
+    of fewer than 2^21 multiply-adds, other dtypes and devices, autocast, `torch.compile`, TorchScript
+    tracing, `torch.func` transforms, and `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
+
+    Args:
+        input: `(*, in_features)`.
+        weight: `(out_features, in_features)`.
+        bias: `(out_features,)`, or None.
+
+    Returns:
+        `(*, out_features)`.
+
+    Raises:
+        RuntimeError: the shapes do not fit (from the product).
+    """
+    if not _uses_onednn(input, weight, bias):
+        return F.linear(input, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return OneDNNLinear.apply(input, weight, bias)
+    return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` computed by `linear` (§3.2.2, §3.3, §3.4): the same parameters, initialisation and state dict.
+
+    Maps `(*, in_features)` to `(*, out_features)`; raises RuntimeError if the input's last dimension is not
+    `in_features`.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias)
+
+
+# §5.4 Residual dropout ---------------------------------------------------------------------------
+
+
+def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Zero each element with probability p and scale the others by 1 / (1 - p) (§5.4, "Residual Dropout").
+
+    `F.dropout`, except in training on the CPU. There PyTorch draws each element's Bernoulli variable with a
+    call of its own into the generator, a noticeable share of a training step (docs/performance.md,
+    "Residual dropout"); here each element takes 16 bits of 64-bit random draws instead, a quarter of a call,
+    and is dropped when they fall among the lowest round(p * 2^16) of the 2^16 values. The rate is thus p
+    to within 2^-17, and the kept elements are scaled by the inverse of the exact rate kept, so that every
+    element keeps its expected value.
+
+    Args:
+        x: any shape.
+        p: dropout probability, in [0, 1].
+        training: drop only when True (the module's `training`).
+
+    Returns:
+        A tensor of the shape and dtype of `x`.
+
+    Raises:
+        ValueError: p is outside [0, 1] (from `F.dropout`).
+    """
+    dropped = round(p * 2**16)
+    if not training or x.device.type != "cpu" or not 0 < dropped < 2**16:
+        return F.dropout(x, p=p, training=training)
+    # `random_(-2^63, None)` draws all 64 bits; `random_()` leaves the sign bit 0, which the top 16-bit lane needs.
+    draws = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    keep = draws.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - 2**15
+    return x * keep * (2**16 / (2**16 - dropped))
+
+
+# §3.4 and §5.4 The pre-softmax projection and the label-smoothed loss, fused ---------------------
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, epsilon: float, num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross entropy against the smoothed targets (1 - epsilon) * one_hot(y) + epsilon / vocab_size (§5.4).
+
+    This is the label smoothing of Szegedy et al. (2016) that the paper cites, computed in at least
+    float32 by `torch.nn.functional.cross_entropy(label_smoothing=epsilon)`. Training computes the
+    same loss without the logits: `linear_label_smoothed_cross_entropy`.
+
+    Args:
+        logits: `(batch, target_len, vocab_size)`.
+        labels: `(batch, target_len)` target ids; -100 marks positions to ignore (padding).
+        epsilon: epsilon_ls in [0, 1).
+        num_items_in_batch: divide the summed loss by this number of target tokens (for gradient
+            accumulation and data parallelism, where the tokens of the whole update count); by
+            default the mean over this batch's non-ignored tokens.
+
+    Returns:
+        The scalar loss, in nats per target token.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # a softmax over tens of thousands of classes needs float32's range
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=epsilon, reduction="sum")
+    return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
+
+
+class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
+    """The summed label-smoothed cross entropy (§5.4) of logits = hidden W^T + b (§3.4), and its gradients, by chunks.
+
+    With log-probabilities log p = logits - logsumexp(logits), the loss of one position is
+    logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), and its gradient with respect to
+    the logits is p - epsilon / V - (1 - epsilon) * one_hot(y). Both are computed in the forward
+    pass, a chunk of positions at a time, and the chunk's logits gradient is turned at once into
+    the gradients of the hidden states, W and b, so that the (positions x V) logits never exist
+    whole: for a batch of 25,000 target tokens on one device and a 37,000-token vocabulary (the
+    paper's sizes) they would take 3.7 GB in float32, and their gradient as much again. Ignored
+    positions (padding) add nothing to the loss and get zero gradients. With `drop_ignored` their logits
+    are never computed; without, they are computed and weighted 0, which spares the host the number of
+    positions kept: a synchronisation that on an accelerator would stall the queue of kernels.
+
+    `apply(hidden, weight, bias, labels, epsilon, drop_ignored)` takes `(positions, d_model)` hidden
+    states, the `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored),
+    epsilon and a bool, and returns the summed loss in nats, a scalar in at least float32. Its
+    gradients are constants of the forward pass: differentiating them again raises RuntimeError
+    (`once_differentiable`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        epsilon: float,
+        drop_ignored: bool,
+    ) -> torch.Tensor:
+        vocab_size = weight.shape[0]
+        # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
+        # launches few. At least 256 positions a chunk keep the matrix products efficient.
+        budget = 2**21 if hidden.device.type == "cpu" else 2**27
+        chunk = max(256, budget // vocab_size)
+        dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
+        keep = labels.ne(-100)
+        computed_hidden = hidden[keep] if drop_ignored else hidden
+        computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
+        weights = None if drop_ignored else keep[:, None].to(dtype)
+        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
+        mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
+        onednn = _uses_onednn(computed_hidden, weight, bias)
+        # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
+        # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
+        logits_buffer = None if onednn else hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
+        grad_weight = torch.zeros_like(weight, dtype=dtype)
+        grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
+        for start in range(0, computed_hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            if onednn:
+                logits = linear(computed_hidden[rows], weight, bias)
+            else:
+                logits = logits_buffer[: len(computed_hidden[rows])]
+                if mixed:
+                    logits.copy_(F.linear(computed_hidden[rows], weight, bias))
+                elif bias is not None:
+                    torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+                else:
+                    torch.mm(computed_hidden[rows], weight.t(), out=logits)
+            target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
+            mean_logit = logits.mean(dim=-1)
+            # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
+            max_logit = logits.amax(dim=-1, keepdim=True)
+            probabilities = logits.sub_(max_logit).exp_()
+            normaliser = probabilities.sum(dim=-1, keepdim=True)
+            log_z = (max_logit + normaliser.log()).squeeze(-1)
+            losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
+            grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
+            grad.scatter_add_(-1, computed_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+            if weights is not None:
+                losses = losses * weights[rows, 0]
+                grad.mul_(weights[rows])
+            loss += losses.sum()
+            grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())  # G W, a linear map whose weight is W^T
+            if onednn:
+                grad_weight += _transposed_product(grad, computed_hidden[rows])
+            elif mixed:  # the product in the hidden states' dtype, accumulated in float32
+                grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
+            else:
+                # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
+                # again (docs/performance.md, "Fused projection and loss"). oneDNN's product, above, is faster
+                # even with the separate addition.
+                grad_weight.addmm_(grad.t(), computed_hidden[rows])
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+        grad_hidden = grad_computed
+        if drop_ignored:  # back to every position, zero where ignored
+            grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Scaled in float32 first, then cast: a loss scale (float16 training) acts before any rounding.
+        grads = [g * grad_output if g is not None else None for g in ctx.saved_tensors]
+        grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)]
+        return *grads, None, None, None
+
+
+def linear_label_smoothed_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    epsilon: float,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The label-smoothed cross entropy (§5.4) of the logits hidden W^T + b (§3.4), without materialising them.
+
+    The same value and gradients as the pre-softmax projection followed by
+    `label_smoothed_cross_entropy`, in float32 logits (`LinearLabelSmoothedCrossEntropy`),
+    with memory for a chunk of the (positions x vocab_size) logits instead of all of them and their gradient
+    (docs/performance.md, "Fused projection and loss").
+
+    Args:
+        hidden: `(batch, target_len, d_model)` decoder output.
+        weight: `(vocab_size, d_model)` pre-softmax projection (tied to the embeddings).
+        labels: `(batch, target_len)` target ids; -100 marks positions to ignore (padding).
+        epsilon: epsilon_ls in [0, 1).
+        bias: `(vocab_size,)` or `(1, vocab_size)` fixed logit bias (imported Marian models), or None.
+        num_items_in_batch: as in `label_smoothed_cross_entropy`.
+
+    Returns:
+        The scalar loss, in nats per target token.
+
+    Raises:
+        RuntimeError: the shapes of `hidden` and `weight` do not fit (from the matrix product).
+    """
+    bias = bias.flatten() if bias is not None else None
+    # Ignored positions are left out on the CPU only: elsewhere it would cost a host synchronisation per step.
+    drop_ignored = hidden.device.type == "cpu"
+    loss = LinearLabelSmoothedCrossEntropy.apply(
+        hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
+    )
+    return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
