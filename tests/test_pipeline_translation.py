@@ -7,10 +7,13 @@ import sysconfig
 import venv
 
 import torch
+from conftest import random_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from vaswani_transformer import VaswaniForConditionalGeneration
 
+# The modules `trust_remote_code` runs: the model's file and, through its relative imports, the rest.
+MODEL_CODE = {"configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py"}
 SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the snow."]
 
 WITHOUT_PACKAGE = """
@@ -30,7 +33,14 @@ print(json.dumps({
 """
 
 
+def test_save_pretrained_copies_the_model_code_and_nothing_else(tmp_path):
+    random_model().save_pretrained(tmp_path)
+    assert {path.name for path in tmp_path.glob("*.py")} == MODEL_CODE
+
+
 def test_a_fresh_environment_without_the_package_translates_like_the_package(trained_model_dir, tmp_path):
+    # A trained translator also carries the translation pipeline's code.
+    assert {path.name for path in trained_model_dir.glob("*.py")} == MODEL_CODE | {"pipeline_translation.py"}
     # A new virtual environment that sees the installed dependencies (torch, transformers, ...)
     # through a path file, but not this package: its editable install works through a .pth hook
     # of the base environment's site-packages, which a plain path entry does not run.
