@@ -13,6 +13,7 @@ on the model: one model serves many threads at once.
 """
 
 import torch
+from torch import Tensor
 from transformers import GenerationConfig, GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.generation import (
@@ -472,17 +473,63 @@ class BeamSearchCache(Cache):
     reset = crop = batch_repeat_interleave = batch_select_indices = _beam_search_cache_unsupported
 
 
-@torch.no_grad()
-def beam_search(
-    model: VaswaniGenerationMixin,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    generation_config: GenerationConfig,
-    **model_kwargs,
-) -> torch.LongTensor:
+class FinishedHypotheses:
+    """The best num_beams finished hypotheses of every sentence of a batch, best first (§6.1).
+
+    Args:
+        batch: sentences.
+        num_beams: hypotheses kept per sentence.
+        max_length: tokens per hypothesis, the decoder prompt included.
+        fill: the id after a hypothesis' `</s>`.
+        device: where the hypotheses are kept.
+    """
+
+    def __init__(self, batch: int, num_beams: int, max_length: int, fill: int, device: torch.device) -> None:
+        self.sequences = torch.full((batch, num_beams, max_length), fill, dtype=torch.long, device=device)
+        self.scores = torch.full((batch, num_beams), -1.0e9, device=device)
+        self.lengths = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
+        self.is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
+
+    def done(self, sentences: torch.Tensor) -> torch.Tensor:
+        """Whether each of `sentences` `(n,)` has num_beams finished hypotheses: `(n,)` bool."""
+        return self.is_finished[sentences].all(dim=1)
+
+    def add(
+        self,
+        sentences: torch.Tensor,
+        sequences: torch.Tensor,
+        scores: torch.Tensor,
+        generated: int,
+        ended: torch.Tensor,
+    ) -> None:
+        """Merge the hypotheses that `ended`, keeping the best num_beams of each sentence.
+
+        Args:
+            sentences: `(n,)` the sentences' indices in the batch.
+            sequences: `(n, num_beams, max_length)` candidate hypotheses.
+            scores: `(n, num_beams)` their penalised scores.
+            generated: tokens they generated, `</s>` included.
+            ended: `(n, num_beams)` which of them ended (the others are left out).
+        """
+        rows = torch.arange(len(sentences), device=sentences.device)[:, None]
+        scores = scores - 1.0e9 * ~ended
+        merged_scores, best = torch.cat((self.scores[sentences], scores), dim=1).topk(scores.shape[1])
+        self.sequences[sentences] = torch.cat((self.sequences[sentences], sequences), dim=1)[rows, best]
+        lengths = self.lengths.new_full(scores.shape, generated)
+        self.lengths[sentences] = torch.cat((self.lengths[sentences], lengths), dim=1).gather(1, best)
+        self.is_finished[sentences] = torch.cat((self.is_finished[sentences], ended), dim=1).gather(1, best)
+        self.scores[sentences] = merged_scores
+
+    def best(self, count: int, prompt_len: int) -> torch.LongTensor:
+        """The `count` best of each sentence, `(batch * count, output_len)`, padded to the longest of them."""
+        output_length = prompt_len + int(self.lengths[:, :count].max())
+        return self.sequences[:, :count, :output_length].reshape(-1, output_length)
+
+
+class BeamSearch:
     """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
 
-    It chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
+    `run()` chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
     with less work per step (docs/performance.md, "Beam search"): the first step decodes one row per
     sentence, not num_beams identical ones; the beams of a sentence share one copy of its encoder output
     and of the cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the
@@ -505,109 +552,133 @@ def beam_search(
             `past_key_values`, an empty `EncoderDecoderCache` whose cross-attention cache is used, as
             `generate` prepares them.
 
-    Returns:
-        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first, padded
-        after `</s>` to the longest one returned.
+    `run()` returns `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first,
+    padded after `</s>` to the longest one returned.
     """
-    num_beams, length_penalty = generation_config.num_beams, generation_config.length_penalty
-    max_length = generation_config.max_length
-    eos = generation_config._eos_token_tensor
-    pad = generation_config._pad_token_tensor
-    fill = int(pad or eos[0])  # as HF fills, a pad id of 0 included
-    rows, prompt_len = input_ids.shape
-    batch = rows // num_beams
-    device = input_ids.device
-    # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
-    num_candidates = max(2, 1 + eos.numel()) * num_beams
-    can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
-    token_masks, logits_processor = _hoist_token_masks(logits_processor)
 
-    # The finished hypotheses of every sentence, best first.
-    finished = input_ids.new_full((batch, num_beams, max_length), fill)
-    finished_scores = torch.full((batch, num_beams), -1.0e9, device=device)
-    finished_lengths = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
-    is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
+    def __init__(
+        self,
+        model: VaswaniGenerationMixin,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        generation_config: GenerationConfig,
+        **model_kwargs,
+    ) -> None:
+        config = generation_config
+        self.model, self.num_beams, self.length_penalty = model, config.num_beams, config.length_penalty
+        self.max_length, self.num_return_sequences = config.max_length, config.num_return_sequences
+        self.eos = config._eos_token_tensor
+        rows, self.prompt_len = input_ids.shape
+        batch, device = rows // self.num_beams, input_ids.device
+        # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
+        self.num_candidates = max(2, 1 + self.eos.numel()) * self.num_beams
+        self.can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
+        self.token_masks, self.logits_processor = _hoist_token_masks(logits_processor)
+        fill = int(config._pad_token_tensor or self.eos[0])  # as HF fills, a pad id of 0 included
+        self.finished = FinishedHypotheses(batch, self.num_beams, self.max_length, fill, device)
 
-    # The running beams of the sentences still in the batch (`active`, by their index in the batch).
-    # All beams of a sentence start alike. Where every processor reads each row alone, the first step
-    # runs one row per sentence, whose best continuations become its beams; otherwise it runs them all,
-    # and only the first of each sentence may expand.
-    active = torch.arange(batch, device=device)
-    first_rows = input_ids[::num_beams] if can_drop else input_ids
-    sequences = input_ids.new_full((first_rows.shape[0], max_length), fill)
-    sequences[:, :prompt_len] = first_rows
-    scores = torch.zeros(batch, first_rows.shape[0] // batch, device=device)
-    scores[:, 1:] = -1.0e9
-    self_attention_cache = BeamSearchCache(
-        model.config.decoder_layers, batch, num_beams, first_rows.shape[0] // batch, device
-    )
-    cache = EncoderDecoderCache(self_attention_cache, model_kwargs["past_key_values"].cross_attention_cache)
-    # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
-    # so the decoder gets one row per sentence, and its keys and values are computed once.
-    encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[::num_beams]
-    attention_mask = model_kwargs.get("attention_mask")
-    attention_mask = attention_mask[::num_beams] if attention_mask is not None else None
+        # The running beams of the sentences still in the batch (`active`, by their index in the batch).
+        # All beams of a sentence start alike. Where every processor reads each row alone, the first step
+        # runs one row per sentence, whose best continuations become its beams; otherwise it runs them all,
+        # and only the first of each sentence may expand.
+        self.active = torch.arange(batch, device=device)
+        first_rows = input_ids[:: self.num_beams] if self.can_drop else input_ids
+        self.sequences = input_ids.new_full((first_rows.shape[0], self.max_length), fill)
+        self.sequences[:, : self.prompt_len] = first_rows
+        rows_per_sentence = first_rows.shape[0] // batch
+        self.scores = torch.zeros(batch, rows_per_sentence, device=device)
+        self.scores[:, 1:] = -1.0e9
+        layers = model.config.decoder_layers
+        self_attention = BeamSearchCache(layers, batch, self.num_beams, rows_per_sentence, device)
+        self.cache = EncoderDecoderCache(self_attention, model_kwargs["past_key_values"].cross_attention_cache)
+        # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
+        # so the decoder gets one row per sentence, and its keys and values are computed once.
+        self.encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[:: self.num_beams]
+        attention_mask = model_kwargs.get("attention_mask")
+        self.attention_mask = attention_mask[:: self.num_beams] if attention_mask is not None else None
 
-    for length in range(prompt_len, max_length):
-        logits = model(
-            decoder_input_ids=sequences[:, length - 1 : length],
-            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_states),
-            attention_mask=attention_mask,
-            past_key_values=cache,
+    def run(self) -> torch.LongTensor:
+        """Search until every sentence has num_beams finished hypotheses or the length limit is reached."""
+        for length in range(self.prompt_len, self.max_length):
+            scores, rows, tokens = self._candidates(length)
+            ends = torch.isin(tokens, self.eos) | (length + 1 >= self.max_length)
+            done = self._finish(length, scores, rows, tokens, ends)
+            if bool(done.all()) or length + 1 >= self.max_length:
+                break
+            self._advance(length, done, scores, rows, tokens, ends)
+        return self.finished.best(self.num_return_sequences, self.prompt_len)
+
+    def _log_probs(self, length: int) -> torch.Tensor:
+        # The next token's log-probabilities of every running beam, `(rows, vocab)`, processed.
+        logits = self.model(
+            decoder_input_ids=self.sequences[:, length - 1 : length],
+            encoder_outputs=BaseModelOutput(last_hidden_state=self.encoder_states),
+            attention_mask=self.attention_mask,
+            past_key_values=self.cache,
             use_cache=True,
         ).logits[:, -1]
         log_probs = logits.float().log_softmax(dim=-1)
-        vocab_size = log_probs.shape[-1]
-        if token_masks:
+        if self.token_masks:
             # A handful of forbidden tokens: filling their columns spares a pass over all the scores.
-            mask = token_masks(sequences[:1, :length], log_probs.new_zeros(1, vocab_size))[0]
+            mask = self.token_masks(self.sequences[:1, :length], log_probs.new_zeros(1, log_probs.shape[-1]))[0]
             log_probs.index_fill_(1, (mask == float("-inf")).nonzero().squeeze(1), float("-inf"))
-        log_probs = logits_processor(sequences[:, :length], log_probs)
-        beams = scores.shape[1]
+        return self.logits_processor(self.sequences[:, :length], log_probs)
+
+    def _candidates(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The best continuations of each sentence: scores, the running rows they extend and their tokens,
+        # each `(sentences, num_candidates)`, best first.
+        log_probs = self._log_probs(length)
+        sentences, (beams, vocab_size) = len(self.active), (self.scores.shape[1], log_probs.shape[-1])
         # reshape: a processor may return a strided view, which `view` cannot regroup (RepetitionPenaltyLogitsProcessor)
-        candidates = log_probs.reshape(len(active), beams, vocab_size).add_(scores[..., None]).reshape(len(active), -1)
-        candidate_scores, candidate_ids = top_k(candidates, min(num_candidates, candidates.shape[1]))
-        sentence_rows = torch.arange(len(active), device=device)[:, None]
-        candidate_rows = candidate_ids // vocab_size + sentence_rows * beams
-        candidate_tokens = candidate_ids % vocab_size
-        ends = torch.isin(candidate_tokens, eos) | (length + 1 >= max_length)
+        candidates = log_probs.reshape(sentences, beams, vocab_size).add_(self.scores[..., None]).reshape(sentences, -1)
+        scores, ids = top_k(candidates, min(self.num_candidates, candidates.shape[1]))
+        sentence_rows = torch.arange(sentences, device=ids.device)[:, None]
+        return scores, ids // vocab_size + sentence_rows * beams, ids % vocab_size
 
-        # A candidate among the best num_beams that ends joins its sentence's finished hypotheses,
-        # of which the best num_beams are kept, until the sentence has num_beams of them.
-        just_finished = ends[:, :num_beams] & ~is_finished[active].all(dim=1, keepdim=True)
+    def _finish(self, length: int, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> Tensor:
+        # A candidate among the best num_beams that ends joins its sentence's finished hypotheses, of which
+        # the best num_beams are kept, until the sentence has num_beams of them. Returns which are done.
+        k = self.num_beams
+        just_finished = ends[:, :k] & ~self.finished.done(self.active)[:, None]
         if just_finished.any():
-            generated = length + 1 - prompt_len
-            new_scores = candidate_scores[:, :num_beams] / generated**length_penalty - 1.0e9 * ~just_finished
-            new = sequences[candidate_rows[:, :num_beams]]
-            new[..., length] = candidate_tokens[:, :num_beams]
-            merged_scores, best = torch.cat((finished_scores[active], new_scores), dim=1).topk(num_beams)
-            finished[active] = torch.cat((finished[active], new), dim=1)[sentence_rows, best]
-            new_lengths = finished_lengths.new_full(new_scores.shape, generated)
-            finished_lengths[active] = torch.cat((finished_lengths[active], new_lengths), dim=1).gather(1, best)
-            is_finished[active] = torch.cat((is_finished[active], just_finished), dim=1).gather(1, best)
-            finished_scores[active] = merged_scores
-        done = is_finished[active].all(dim=1)
-        if bool(done.all()) or length + 1 >= max_length:
-            break
+            generated = length + 1 - self.prompt_len
+            hypotheses = self.sequences[rows[:, :k]]
+            hypotheses[..., length] = tokens[:, :k]
+            penalised = scores[:, :k] / generated**self.length_penalty
+            self.finished.add(self.active, hypotheses, penalised, generated, just_finished)
+        return self.finished.done(self.active)
 
-        # The best num_beams candidates that go on become the beams of the next step.
-        running = (candidate_scores - 1.0e9 * ends).topk(num_beams).indices
-        scores = candidate_scores.gather(1, running) - 1.0e9 * ends.gather(1, running)
-        beam_rows = candidate_rows.gather(1, running)
-        tokens = candidate_tokens.gather(1, running)
-        if can_drop and bool(done.any()):
+    def _advance(self, length: int, done: Tensor, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> None:
+        # The best num_beams candidates that go on become the beams of the next step; sentences that are
+        # done leave the batch where every processor allows it.
+        running = (scores - 1.0e9 * ends).topk(self.num_beams).indices
+        self.scores = scores.gather(1, running) - 1.0e9 * ends.gather(1, running)
+        rows, tokens = rows.gather(1, running), tokens.gather(1, running)
+        if self.can_drop and bool(done.any()):
             kept = (~done).nonzero().squeeze(1)
-            active, scores, beam_rows, tokens = active[kept], scores[kept], beam_rows[kept], tokens[kept]
-            encoder_states = encoder_states[kept]
-            attention_mask = attention_mask[kept] if attention_mask is not None else None
-            cache.cross_attention_cache.reorder_cache(kept)  # the self-attention cache finds `kept` in beam_rows
-            logits_processor = LogitsProcessorList(
-                p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in logits_processor
+            self.active, self.scores, rows, tokens = self.active[kept], self.scores[kept], rows[kept], tokens[kept]
+            self.encoder_states = self.encoder_states[kept]
+            self.attention_mask = self.attention_mask[kept] if self.attention_mask is not None else None
+            self.cache.cross_attention_cache.reorder_cache(kept)  # the self-attention cache finds `kept` in rows
+            self.logits_processor = LogitsProcessorList(
+                p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in self.logits_processor
             )
-        sequences = sequences[beam_rows.view(-1)]
-        sequences[:, length] = tokens.view(-1)
-        cache = model._reorder_cache(cache, beam_rows.view(-1))
+        self.sequences = self.sequences[rows.view(-1)]
+        self.sequences[:, length] = tokens.view(-1)
+        self.cache = self.model._reorder_cache(self.cache, rows.view(-1))
 
-    returned = generation_config.num_return_sequences
-    output_length = prompt_len + int(finished_lengths[:, :returned].max())
-    return finished[:, :returned, :output_length].reshape(batch * returned, output_length)
+
+@torch.no_grad()
+def beam_search(
+    model: VaswaniGenerationMixin,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    generation_config: GenerationConfig,
+    **model_kwargs,
+) -> torch.LongTensor:
+    """`BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()` (§6.1).
+
+    Returns:
+        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first.
+    """
+    return BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()
