@@ -66,6 +66,31 @@ def marian_to_interleaved_permutation(d_model: int) -> torch.Tensor:
     return torch.stack((torch.arange(half), torch.arange(half, d_model)), dim=-1).flatten()
 
 
+# Our config field -> the MarianConfig field that holds the same value, for conversions both ways.
+_MARIAN_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "d_model",
+    "d_ff": "encoder_ffn_dim",
+    "encoder_layers": "encoder_layers",
+    "decoder_layers": "decoder_layers",
+    "num_attention_heads": "encoder_attention_heads",
+    "dropout": "dropout",
+    "attention_dropout": "attention_dropout",
+    "activation_dropout": "activation_dropout",
+    "activation_function": "activation_function",
+    "scale_embedding": "scale_embedding",
+    "pad_token_id": "pad_token_id",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "decoder_start_token_id": "decoder_start_token_id",
+}
+
+
+def _refuse_inexact(problems: list[str], subject: str, remedy: str) -> None:
+    if problems:
+        raise ValueError(f"{subject}: it has " + "; ".join(problems) + f". {remedy}")
+
+
 def _config_from_marian(marian_config) -> VaswaniConfig:
     problems = []
     if not marian_config.share_encoder_decoder_embeddings:
@@ -78,30 +103,16 @@ def _config_from_marian(marian_config) -> VaswaniConfig:
         problems.append(f"an odd d_model ({marian_config.d_model})")
     if getattr(marian_config, "normalize_before", False):
         problems.append("pre-LayerNorm layers")
-    if problems:
-        raise ValueError(
-            "This Marian model cannot be converted exactly: it has " + "; ".join(problems) + ". The paper's "
-            "Transformer shares one vocabulary and has identical encoder and decoder layer sizes."
-        )
+    _refuse_inexact(
+        problems,
+        "This Marian model cannot be converted exactly",
+        "The paper's Transformer shares one vocabulary and has identical encoder and decoder layer sizes.",
+    )
     return VaswaniConfig(
-        vocab_size=marian_config.vocab_size,
-        d_model=marian_config.d_model,
-        d_ff=marian_config.encoder_ffn_dim,
-        encoder_layers=marian_config.encoder_layers,
-        decoder_layers=marian_config.decoder_layers,
-        num_attention_heads=marian_config.encoder_attention_heads,
-        dropout=marian_config.dropout,
-        attention_dropout=marian_config.attention_dropout,
-        activation_dropout=marian_config.activation_dropout,
+        **{ours: getattr(marian_config, theirs) for ours, theirs in _MARIAN_FIELDS.items()},
         layer_norm_eps=1e-5,  # nn.LayerNorm's default, which Marian uses
-        scale_embedding=marian_config.scale_embedding,
         attention_bias=True,
-        activation_function=marian_config.activation_function,
         add_final_logits_bias=True,
-        pad_token_id=marian_config.pad_token_id,
-        bos_token_id=marian_config.bos_token_id,
-        eos_token_id=marian_config.eos_token_id,
-        decoder_start_token_id=marian_config.decoder_start_token_id,
         tie_word_embeddings=True,
     )
 
@@ -210,32 +221,18 @@ def _marian_config(config: VaswaniConfig, max_position_embeddings: int) -> Maria
         problems.append(f"layer_norm_eps={config.layer_norm_eps} (Marian's is 1e-5)")
     if not config.tie_word_embeddings:
         problems.append("untied output projection (tie_word_embeddings=False)")
-    if problems:
-        raise ValueError(
-            "This model has no exact HF Marian equivalent: it has " + "; ".join(problems) + ". Only models "
-            "with the paper's architecture (or imported from Marian) can be exported."
-        )
+    _refuse_inexact(
+        problems,
+        "This model has no exact HF Marian equivalent",
+        "Only models with the paper's architecture (or imported from Marian) can be exported.",
+    )
     return MarianConfig(
-        vocab_size=config.vocab_size,
+        **{theirs: getattr(config, ours) for ours, theirs in _MARIAN_FIELDS.items()},
         decoder_vocab_size=config.vocab_size,
         share_encoder_decoder_embeddings=True,
-        d_model=config.d_model,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        encoder_attention_heads=config.num_attention_heads,
         decoder_attention_heads=config.num_attention_heads,
-        encoder_ffn_dim=config.d_ff,
         decoder_ffn_dim=config.d_ff,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
-        activation_function=config.activation_function,
-        scale_embedding=config.scale_embedding,
         max_position_embeddings=max_position_embeddings,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
         forced_eos_token_id=None,  # MarianConfig's default (0) would force a token we do not force
         tie_word_embeddings=True,
     )

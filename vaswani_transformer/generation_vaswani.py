@@ -185,9 +185,12 @@ class VaswaniGenerationMixin(GenerationMixin):
             # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
             limit = self.config.max_position_embeddings
             kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
-        # The penalty's form travels with this call, in the alpha that its generation config gets.
-        alpha = kwargs.get("length_penalty", config.length_penalty)
-        kwargs["length_penalty"] = GNMTLengthPenalty(alpha) if penalty_type == "gnmt" else float(alpha)
+        if penalty_type == "gnmt":
+            # The penalty's form travels with this call, in the alpha that its generation config gets.
+            alpha = kwargs.get("length_penalty", config.length_penalty)
+            if alpha is None:  # unset: transformers' default
+                alpha = GenerationConfig._get_default_generation_params()["length_penalty"]
+            kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )

@@ -380,21 +380,35 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             nn.init.zeros_(module.final_logits_bias)
 
 
-class VaswaniEncoder(VaswaniPreTrainedModel):
-    """The encoder: embeddings and a stack of N `EncoderLayer`s (§3.1)."""
+class VaswaniStack(VaswaniPreTrainedModel):
+    """Embeddings and a stack of N identical layers (§3.1): what the encoder and the decoder share.
 
-    _can_record_outputs = {"hidden_states": EncoderLayer, "attentions": MultiHeadAttention}
+    Args:
+        config: the model's configuration.
+        embed_tokens: the `(vocab_size, d_model)` embedding shared by both stacks (§3.4).
+        layer: `EncoderLayer` or `DecoderLayer`.
+        num_layers: N.
+    """
 
-    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding, layer: type, num_layers: int) -> None:
         super().__init__(config)
         self.embeddings = Embeddings(config, embed_tokens)
-        self.layers = nn.ModuleList([EncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.layers = nn.ModuleList([layer(config, i) for i in range(num_layers)])
         # Pre-LayerNorm leaves the last layer's output unnormalised.
         self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.embed_tokens
+
+
+class VaswaniEncoder(VaswaniStack):
+    """The encoder: embeddings and a stack of N `EncoderLayer`s (§3.1)."""
+
+    _can_record_outputs = {"hidden_states": EncoderLayer, "attentions": MultiHeadAttention}
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
+        super().__init__(config, embed_tokens, EncoderLayer, config.encoder_layers)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -422,7 +436,7 @@ class VaswaniEncoder(VaswaniPreTrainedModel):
         return BaseModelOutput(last_hidden_state=hidden_states)
 
 
-class VaswaniDecoder(VaswaniPreTrainedModel):
+class VaswaniDecoder(VaswaniStack):
     """The decoder: embeddings and a stack of N `DecoderLayer`s (§3.1)."""
 
     _can_record_outputs = {
@@ -432,14 +446,7 @@ class VaswaniDecoder(VaswaniPreTrainedModel):
     }
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
-        super().__init__(config)
-        self.embeddings = Embeddings(config, embed_tokens)
-        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.decoder_layers)])
-        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.embed_tokens
+        super().__init__(config, embed_tokens, DecoderLayer, config.decoder_layers)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -748,17 +755,9 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
                 logits = logits + self.final_logits_bias
             if labels is not None:
                 loss = label_smoothed_cross_entropy(logits, labels, epsilon, num_items_in_batch)
-        return Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+        # Everything the model returned but the decoder output, which the logits replace.
+        rest = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
+        return Seq2SeqLMOutput(loss=loss, logits=logits, **rest)
 
     def _loss_without_logits(self, hidden_states: torch.Tensor) -> bool:
         # In training, the fused projection and loss spare the (tokens x vocabulary) logits, the largest tensor
