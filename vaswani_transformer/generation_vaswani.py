@@ -116,7 +116,7 @@ class SourceLengthLimit(LogitsProcessor):
         return scores
 
 
-# transformers' generate() with the paper's decoding ---------------------------------------------
+# transformers' generate() with the paper's decoding -----------------------------------------------
 
 
 class VaswaniGenerationMixin(GenerationMixin):
@@ -222,7 +222,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         return past_key_values
 
 
-# The fast beam search and its cache -----------------------------------------------------------------
+# The fast beam search and its cache ---------------------------------------------------------------
 
 
 def _plain_beam_search(

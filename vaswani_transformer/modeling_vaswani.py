@@ -34,7 +34,7 @@ from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
 from .ops_vaswani import Linear, label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy, residual_dropout
 
-# §3.5 Positional encoding ----------------------------------------------------------------------
+# §3.5 Positional encoding -------------------------------------------------------------------------
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -75,7 +75,7 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """
 
 
-# §3.2 Attention ----------------------------------------------------------------------------------
+# §3.2 Attention -----------------------------------------------------------------------------------
 
 
 def scaled_dot_product_attention(
@@ -238,7 +238,7 @@ class MultiHeadAttention(nn.Module):
         return output.reshape(rows, -1, output.shape[-1]), weights
 
 
-# §3.3 Position-wise feed-forward network ---------------------------------------------------------
+# §3.3 Position-wise feed-forward network ----------------------------------------------------------
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -261,7 +261,7 @@ class PositionwiseFeedForward(nn.Module):
         return self.fc2(hidden_states)
 
 
-# §3.1 Encoder and decoder layers -----------------------------------------------------------------
+# §3.1 Encoder and decoder layers ------------------------------------------------------------------
 
 
 class SublayerConnection(nn.Module):
@@ -344,7 +344,7 @@ class DecoderLayer(GradientCheckpointingLayer):
         return self.feed_forward_sublayer(hidden_states, self.feed_forward)
 
 
-# §3.1 The stacks ------------------------------------------------------------------------------
+# §3.1 The stacks ----------------------------------------------------------------------------------
 
 
 class VaswaniPreTrainedModel(PreTrainedModel):
@@ -524,7 +524,7 @@ class VaswaniDecoder(VaswaniStack):
         )
 
 
-# §3.4 Embeddings ------------------------------------------------------------------------------
+# §3.4 Embeddings ----------------------------------------------------------------------------------
 
 
 class Embeddings(nn.Module):
@@ -564,7 +564,7 @@ class Embeddings(nn.Module):
         return residual_dropout(embeddings, self.dropout, self.training)
 
 
-# The model ---------------------------------------------------------------------------------------
+# The model ----------------------------------------------------------------------------------------
 
 
 class VaswaniModel(VaswaniPreTrainedModel):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Linear maps x W^T + b: every projection of §3.2.2, §3.3 and §3.4 -------------------------------
+# Linear maps x W^T + b: every projection of §3.2.2, §3.3 and §3.4 ---------------------------------
 
 
 def _onednn_linear_op() -> Callable | None:
@@ -123,7 +123,7 @@ class Linear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
-# §5.4 Residual dropout ---------------------------------------------------------------------------
+# §5.4 Residual dropout ----------------------------------------------------------------------------
 
 
 def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -156,7 +156,7 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * keep * (2**16 / (2**16 - dropped))
 
 
-# §3.4 and §5.4 The pre-softmax projection and the label-smoothed loss, fused ---------------------
+# §5.4 The label-smoothed loss, and its fusion with the pre-softmax projection (§3.4) --------------
 
 
 def label_smoothed_cross_entropy(
