@@ -8,9 +8,44 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from vaswani_transformer.cli import main
+from vaswani_transformer.cli import build_parser, main
+from vaswani_transformer.training_config import TrainingConfig
 
 SENTENCE = "A man is riding a bicycle down the street."
+
+
+def test_train_options_are_the_training_config_fields_with_their_defaults():
+    required = ["--data-dir", "corpus", "--source-lang", "en", "--target-lang", "de", "--output-dir", "out"]
+    args = build_parser().parse_args(["train", *required, "--max-steps", "7"])
+    defaults = TrainingConfig(data="corpus", source_lang="en", target_lang="de", output_dir="out", max_steps=7)
+    corpus_fields = {"data", "files"}  # from --data-dir, --dataset, --train-files and --validation-files
+    for name, default in vars(defaults).items():
+        if name in corpus_fields:
+            continue
+        assert name in vars(args), f"TrainingConfig.{name} has no option of `train`"
+        parsed = dict(getattr(args, name)) if name == "model_overrides" else getattr(args, name)
+        # keep_checkpoints is filled in after parsing (it follows average_last when unset).
+        expected = None if name == "keep_checkpoints" else default
+        assert parsed == expected, f"--{name.replace('_', '-')} defaults to {parsed!r}, the config to {expected!r}"
+    # And the help states the defaults it applies.
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "(default: base)" in help_text and "(default: 37000)" in help_text
+
+
+def test_train_options_reach_the_training_config(monkeypatch, tmp_path):
+    import vaswani_transformer.training as training
+
+    seen = {}
+    monkeypatch.setattr(training, "train", lambda config: seen.setdefault("config", config) and tmp_path)
+    status = main(
+        ["train", "--data-dir", "d", "--source-lang", "en", "--target-lang", "de", "--output-dir", str(tmp_path),
+         "--max-minutes", "1.5", "--model-option", "dropout=0.2", "--report-to", "tensorboard", "--resume",
+         "--preset", "small", "--vocab-size", "8000"]
+    )  # fmt: skip
+    config = seen["config"]
+    assert status == 0 and config.data == "d" and config.max_minutes == 1.5 and config.max_steps is None
+    assert config.model_overrides == {"dropout": 0.2} and config.report_to == ["tensorboard"] and config.resume
+    assert (config.preset, config.vocab_size) == ("small", 8000)
 
 
 def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir, multi30k_dir, tmp_path, capsys):

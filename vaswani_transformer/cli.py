@@ -9,9 +9,12 @@ import json
 import sys
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import MISSING, fields
 from pathlib import Path
+from types import UnionType
+from typing import get_args, get_origin
 
-from .configuration_vaswani import PRESETS
+from .training_config import TrainingConfig
 
 
 def _model_option(text: str) -> tuple[str, object]:
@@ -44,6 +47,48 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _training_option_names() -> list[str]:
+    # The `TrainingConfig` fields that are options of `train`: those with help text.
+    return [option.name for option in fields(TrainingConfig) if "help" in option.metadata]
+
+
+def _add_training_options(train: argparse.ArgumentParser) -> None:
+    # One option per `TrainingConfig` field with help, named, typed and defaulted by the field; the
+    # corpus options, which fill `data` and `files`, come first.
+    corpus = train.add_argument_group("corpus")
+    corpus.add_argument(
+        "--data-dir",
+        help="directory with train.<lang>, val.<lang> and test*.<lang> files, one sentence per line, aligned by line",
+    )
+    corpus.add_argument("--dataset", help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
+    corpus.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
+    corpus.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
+    groups = {"corpus": corpus}
+    for option in fields(TrainingConfig):
+        if "help" not in option.metadata:
+            continue
+        settings = dict(option.metadata)
+        name = settings.pop("group")
+        group = groups[name] if name in groups else groups.setdefault(name, train.add_argument_group(name))
+        flag = settings.pop("flag", "--" + option.name.replace("_", "-"))
+        default = option.default_factory() if option.default_factory is not MISSING else option.default
+        kind = option.type
+        if isinstance(kind, UnionType):  # X | None
+            kind = next(t for t in get_args(kind) if t is not type(None))
+        kind = get_origin(kind) or kind  # list[str] -> list
+        if default is MISSING:
+            settings["required"] = True
+        elif default not in (None, False) and not isinstance(default, list | dict):
+            settings["help"] += f" (default: {default})"
+        if kind is bool:
+            settings["action"] = "store_true"
+        elif kind in (list, dict):  # repeatable; a dict from KEY=VALUE pairs
+            settings.update(action="append", default=[], type=_model_option if kind is dict else str)
+        else:
+            settings.update(type=kind, default=None if default is MISSING else default)
+        group.add_argument(flag, dest=option.name, **settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `vaswani-transformer` and its subcommands."""
     parser = argparse.ArgumentParser(
@@ -53,102 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train", help="train a translator on a parallel corpus (§5)")
-    source = train.add_argument_group("corpus")
-    source.add_argument(
-        "--data-dir",
-        default=None,
-        help="directory with train.<lang>, val.<lang> and test*.<lang> files, one sentence per line, aligned by line",
-    )
-    source.add_argument("--dataset", default=None, help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
-    source.add_argument("--dataset-config", default=None, help="configuration of --dataset, e.g. de-en")
-    source.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
-    source.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
-    source.add_argument("--source-lang", required=True, help="source language code, the file extension (e.g. en)")
-    source.add_argument("--target-lang", required=True, help="target language code (e.g. de)")
-    train.add_argument("--output-dir", required=True, help="where the model, tokenizer and logs are written")
-    model = train.add_argument_group("model")
-    model.add_argument("--preset", choices=sorted(PRESETS), default="base", help="model size (default: base, Table 3)")
-    model.add_argument(
-        "--model-option",
-        type=_model_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set a VaswaniConfig field, e.g. dropout=0.2 (repeatable)",
-    )
-    model.add_argument("--tokenizer", default=None, help="existing tokenizer directory (default: train a BPE one)")
-    model.add_argument("--vocab-size", type=int, default=37000, help="BPE vocabulary size in tokens (default: 37000)")
-    recipe = train.add_argument_group("recipe")
-    recipe.add_argument(
-        "--max-length", type=int, default=256, help="longest training sentence in tokens (default: 256)"
-    )
-    recipe.add_argument(
-        "--max-tokens", type=int, default=4096, help="padded tokens per batch, per side and device (default: 4096)"
-    )
-    recipe.add_argument(
-        "--update-freq",
-        type=int,
-        default=1,
-        help="batches accumulated per optimizer step and device; tokens per step = max-tokens x update-freq x "
-        "processes (default: 1; the paper's ~25,000 is e.g. 4096 x 6 on one device)",
-    )
-    recipe.add_argument("--warmup-steps", type=int, default=4000, help="learning-rate warm-up steps (default: 4000)")
-    recipe.add_argument(
-        "--learning-rate-scale", type=float, default=1.0, help="factor on the §5.3 learning rate (default: 1)"
-    )
-    recipe.add_argument(
-        "--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: no limit)"
-    )
-    recipe.add_argument(
-        "--max-minutes", type=float, default=None, help="stop after this many minutes of training (default: no limit)"
-    )
-    recipe.add_argument("--log-steps", type=int, default=100, help="training loss logged every N steps (default: 100)")
-    recipe.add_argument("--eval-steps", type=int, default=500, help="validation loss every N steps (default: 500)")
-    recipe.add_argument(
-        "--bleu-sentences",
-        type=int,
-        default=0,
-        help="also translate the first N validation sentences with beam search at each validation and log their "
-        "sacreBLEU (default: 0, off)",
-    )
-    recipe.add_argument(
-        "--early-stopping-patience",
-        type=int,
-        default=None,
-        help="stop after N validations without a better BLEU (or loss, without --bleu-sentences) (default: never)",
-    )
-    recipe.add_argument(
-        "--average-last", type=int, default=5, help="average the last N checkpoints into the model (default: 5)"
-    )
-    recipe.add_argument(
-        "--mixed-precision", choices=["no", "bf16", "fp16"], default="no", help="Accelerate's mixed precision"
-    )
-    recipe.add_argument(
-        "--report-to", action="append", default=[], help="Accelerate tracker, e.g. tensorboard (repeatable)"
-    )
-    recipe.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
-    faults = train.add_argument_group("checkpoints and faults")
-    faults.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
-    faults.add_argument(
-        "--save-minutes", type=float, default=None, help="also checkpoint every N minutes (default: by steps only)"
-    )
-    faults.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=None,
-        help="checkpoints kept in OUTPUT_DIR/checkpoints, besides the best (default: --average-last)",
-    )
-    faults.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run saved in OUTPUT_DIR/checkpoints exactly where its last checkpoint left it "
-        "(starts a new run when there is none)",
-    )
-    faults.add_argument(
-        "--skip-nonfinite",
-        action="store_true",
-        help="skip (and count) steps whose loss is NaN or infinite instead of stopping the run",
-    )
+    _add_training_options(train)
 
     evaluate = commands.add_parser("evaluate", help="translate a test set and report sacreBLEU")
     evaluate.add_argument("--model", required=True, help="model directory or Hub id")
@@ -218,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> None:
     from .hub import ensure_writable
-    from .training import TrainingConfig, train
+    from .training import train
 
     files = {}
     if args.train_files:
@@ -227,38 +177,9 @@ def _train(args: argparse.Namespace) -> None:
         files["validation"] = tuple(args.validation_files)
     if bool(args.data_dir) == bool(args.dataset) and not files:
         raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
-    config = TrainingConfig(
-        data=args.data_dir or args.dataset or "",
-        files=files,
-        dataset_config=args.dataset_config,
-        source_lang=args.source_lang,
-        target_lang=args.target_lang,
-        output_dir=args.output_dir,
-        preset=args.preset,
-        model_overrides=dict(args.model_option),
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        max_length=args.max_length,
-        max_tokens=args.max_tokens,
-        warmup_steps=args.warmup_steps,
-        learning_rate_scale=args.learning_rate_scale,
-        max_steps=args.max_steps,
-        max_minutes=args.max_minutes,
-        eval_steps=args.eval_steps,
-        save_steps=args.save_steps,
-        average_last=args.average_last,
-        update_freq=args.update_freq,
-        log_steps=args.log_steps,
-        bleu_sentences=args.bleu_sentences,
-        early_stopping_patience=args.early_stopping_patience,
-        save_minutes=args.save_minutes,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        skip_nonfinite=args.skip_nonfinite,
-        report_to=args.report_to,
-        mixed_precision=args.mixed_precision,
-        seed=args.seed,
-    )
+    options = {name: getattr(args, name) for name in _training_option_names()}
+    options["model_overrides"] = dict(options["model_overrides"])
+    config = TrainingConfig(data=args.data_dir or args.dataset or "", files=files, **options)
     ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
 

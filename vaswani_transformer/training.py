@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,110 +27,7 @@ from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
-
-
-@dataclass
-class TrainingConfig:
-    """Everything a training run needs; the command line `vaswani-transformer train` fills it.
-
-    Attributes:
-        data: corpus directory or Hub dataset id (see `load_parallel_corpus`).
-        source_lang, target_lang: language codes.
-        output_dir: where the trained model, tokenizer, generation config, log and checkpoints go.
-        preset: model size, "tiny", "small", "base" or "big" (`VaswaniConfig.from_preset`).
-        model_overrides: other `VaswaniConfig` fields, e.g. `{"dropout": 0.2}`.
-        tokenizer: directory of an existing tokenizer; None trains one on the training split.
-        vocab_size: tokens in the trained BPE vocabulary (§5.1: 37,000 for WMT14 En-De).
-        max_length: longest training sentence, in tokens.
-        max_tokens: padded source (and target) tokens per batch and device (§5.1).
-        update_freq: batches accumulated per optimizer step on each device (fairseq's
-            `--update-freq`): one step sees `max_tokens * update_freq * processes` tokens per side,
-            ~25,000 in the paper (§5.1).
-        learning_rate_scale: factor on the §5.3 schedule
-            lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5) (Eq. 3); 1 is the paper's.
-        warmup_steps: linear warm-up length in optimizer steps (§5.3: 4000).
-        adam_beta1, adam_beta2, adam_epsilon: Adam's (§5.3: 0.9, 0.98, 1e-9).
-        max_steps: stop after this many optimizer steps (None: no limit).
-        max_minutes: stop after this many minutes of training, resumed runs included (None: no limit).
-        log_steps: a training-loss record every this many steps.
-        eval_steps: validation loss (and BLEU) every this many steps.
-        bleu_sentences: translate this many validation sentences with beam search at each
-            validation and record their sacreBLEU (0: no BLEU during training).
-        early_stopping_patience: stop when validation BLEU (or loss, without BLEU) has not improved
-            for this many validations (None: never).
-        save_steps: a checkpoint every this many steps.
-        save_minutes: also a checkpoint every this many minutes (None: by steps only).
-        keep_checkpoints: checkpoints kept on disk (default: `average_last`); the best one is also kept.
-        average_last: average the weights of this many last checkpoints into the final model (§6.1);
-            1 keeps the final weights.
-        resume: continue the run saved in `output_dir/checkpoints` (a new run when there is none).
-        skip_nonfinite: skip a step whose loss is NaN or infinite (counted in the log) instead of stopping.
-        mixed_precision: "no", "bf16" or "fp16" (Accelerate's setting; fp16 scales the loss).
-        report_to: Accelerate trackers to log to, e.g. ["tensorboard"] (logs in `output_dir/runs`).
-        seed: random seed of initialisation, dropout and batch order.
-        dataset_config: configuration name of a Hub dataset.
-        files: explicit `{split: (source_file, target_file)}` (see `load_parallel_corpus`).
-
-    Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), or a size that is not positive.
-    """
-
-    data: str
-    source_lang: str
-    target_lang: str
-    output_dir: str
-    preset: str = "small"
-    model_overrides: dict = field(default_factory=dict)
-    tokenizer: str | None = None
-    vocab_size: int = 8000
-    max_length: int = 256
-    max_tokens: int = 4096
-    update_freq: int = 1
-    learning_rate_scale: float = 1.0
-    warmup_steps: int = 4000
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_epsilon: float = 1e-9
-    max_steps: int | None = None
-    max_minutes: float | None = None
-    log_steps: int = 100
-    eval_steps: int = 500
-    bleu_sentences: int = 0
-    early_stopping_patience: int | None = None
-    save_steps: int = 500
-    save_minutes: float | None = None
-    keep_checkpoints: int | None = None
-    average_last: int = 5
-    resume: bool = False
-    skip_nonfinite: bool = False
-    mixed_precision: str = "no"
-    report_to: list[str] = field(default_factory=list)
-    seed: int = 1
-    dataset_config: str | None = None
-    files: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.max_steps is None and self.max_minutes is None:
-            raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
-        for name in (
-            "vocab_size",
-            "max_length",
-            "max_tokens",
-            "update_freq",
-            "warmup_steps",
-            "log_steps",
-            "eval_steps",
-            "save_steps",
-            "average_last",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
-        if self.keep_checkpoints is None:
-            self.keep_checkpoints = self.average_last
-        if self.keep_checkpoints < self.average_last:
-            raise ValueError(
-                f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
-            )
+from .training_config import TrainingConfig
 
 
 def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):

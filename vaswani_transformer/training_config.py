@@ -1,0 +1,139 @@
+"""`TrainingConfig`: every setting of a training run, and the one place where each is defined.
+
+The command line `vaswani-transformer train` is generated from these fields (`cli.py`): a field's
+`help` metadata is its help text, its default is the option's default, and a run saves the whole
+config as `training_config.json`. Defaults are the paper's recipe (§5) wherever the paper gives one.
+"""
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from .configuration_vaswani import PRESETS
+
+
+def option(default: Any = MISSING, help: str = "", group: str = "recipe", **argparse: Any) -> Any:
+    """A `TrainingConfig` field with its command-line help, group and any other `argparse` setting.
+
+    Args:
+        default: the default value; a list or dict default is copied for every config.
+        help: the help text, with the unit of the value.
+        group: the `--help` section the option is listed in.
+        **argparse: passed to `add_argument` (e.g. `choices`, `metavar`, `flag` for another option name).
+
+    Returns:
+        A `dataclasses.field`.
+    """
+    metadata = {"help": help, "group": group, **argparse}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TrainingConfig:
+    """Everything a training run needs (§5); `vaswani-transformer train` fills it from its options.
+
+    Each field's meaning and unit is its `help` metadata, which `vaswani-transformer train --help`
+    prints. `data` and `files` name the corpus (see `data.load_parallel_corpus`); on the command line
+    they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
+
+    Raises:
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size that is not positive, or
+            fewer checkpoints kept than averaged.
+    """
+
+    data: str
+    source_lang: str = option(help="source language code, the corpus files' extension (e.g. en)", group="corpus")
+    target_lang: str = option(help="target language code (e.g. de)", group="corpus")
+    output_dir: str = option(help="where the model, tokenizer, log and checkpoints are written", group="output")
+    preset: str = option(
+        "base", help="model size: Table 3's base or big, or small or tiny for CPUs", group="model", choices=PRESETS
+    )
+    model_overrides: dict = option(
+        {},
+        help="set a VaswaniConfig field, e.g. dropout=0.2 (repeatable)",
+        group="model",
+        flag="--model-option",
+        metavar="KEY=VALUE",
+    )
+    tokenizer: str | None = option(
+        None, help="an existing tokenizer's directory; by default a BPE one is trained", group="model"
+    )
+    vocab_size: int = option(
+        37000, help="shared BPE vocabulary, in tokens (§5.1: about 37,000 for WMT14 En-De)", group="model"
+    )
+    max_length: int = option(256, help="longest training sentence, in tokens; longer pairs are left out")
+    max_tokens: int = option(4096, help="padded tokens per batch, per side and device (§5.1)")
+    update_freq: int = option(
+        1,
+        help="batches accumulated per optimizer step and device: a step sees max-tokens x update-freq x processes "
+        "tokens per side (the paper's ~25,000 is e.g. 4096 x 6 on one device)",
+    )
+    learning_rate_scale: float = option(
+        1.0, help="factor on the learning rate of §5.3, Eq. 3: d_model^-0.5 min(step^-0.5, step warmup^-1.5)"
+    )
+    warmup_steps: int = option(4000, help="linear learning-rate warm-up, in optimizer steps (§5.3: 4000)")
+    adam_beta1: float = option(0.9, help="Adam's beta_1 (§5.3: 0.9)")
+    adam_beta2: float = option(0.98, help="Adam's beta_2 (§5.3: 0.98)")
+    adam_epsilon: float = option(1e-9, help="Adam's epsilon (§5.3: 1e-9)")
+    max_steps: int | None = option(None, help="stop after this many optimizer steps (give this or --max-minutes)")
+    max_minutes: float | None = option(
+        None, help="stop after this many minutes of training, resumed runs included (give this or --max-steps)"
+    )
+    log_steps: int = option(100, help="a training-loss record every this many steps")
+    eval_steps: int = option(500, help="validation loss (and BLEU) every this many steps")
+    bleu_sentences: int = option(
+        0, help="translate this many validation sentences at each validation and log their sacreBLEU (0: off)"
+    )
+    early_stopping_patience: int | None = option(
+        None, help="stop after this many validations without a better BLEU (or loss, without BLEU); none: never"
+    )
+    save_steps: int = option(500, help="a checkpoint every this many steps", group="checkpoints and faults")
+    save_minutes: float | None = option(
+        None, help="also a checkpoint every this many minutes; none: by steps only", group="checkpoints and faults"
+    )
+    keep_checkpoints: int | None = option(
+        None,
+        help="checkpoints kept in OUTPUT_DIR/checkpoints besides the best; none: --average-last",
+        group="checkpoints and faults",
+    )
+    average_last: int = option(5, help="average this many last checkpoints into the model (§6.1: 5 base, 20 big)")
+    resume: bool = option(
+        False,
+        help="continue the run saved in OUTPUT_DIR/checkpoints where its last checkpoint left it "
+        "(a new run when there is none)",
+        group="checkpoints and faults",
+    )
+    skip_nonfinite: bool = option(
+        False,
+        help="skip (and count) steps whose loss is NaN or infinite instead of stopping the run",
+        group="checkpoints and faults",
+    )
+    mixed_precision: str = option("no", help="Accelerate's mixed precision", choices=("no", "bf16", "fp16"))
+    report_to: list[str] = option([], help="an Accelerate tracker to log to, e.g. tensorboard (repeatable)")
+    seed: int = option(1, help="random seed of initialisation, dropout and batch order")
+    dataset_config: str | None = option(None, help="configuration of --dataset, e.g. de-en", group="corpus")
+    files: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.max_minutes is None:
+            raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
+        for name in (
+            "vocab_size",
+            "max_length",
+            "max_tokens",
+            "update_freq",
+            "warmup_steps",
+            "log_steps",
+            "eval_steps",
+            "save_steps",
+            "average_last",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.keep_checkpoints is None:
+            self.keep_checkpoints = self.average_last
+        if self.keep_checkpoints < self.average_last:
+            raise ValueError(
+                f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
+            )
