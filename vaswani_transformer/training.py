@@ -48,9 +48,9 @@ def avoid_cudnn_attention() -> None:
     """Keep PyTorch's scaled-dot-product attention (§3.2.1, Eq. 1) off its cuDNN kernel, for training on CUDA.
 
     Batches of sentences change shape at nearly every step, and cuDNN's attention builds a plan for
-    every new shape: on an H100, a `small` bf16 step with a new shape took 417 ms with it and 36.5 ms
-    with PyTorch's flash and memory-efficient kernels (README, Performance). The setting is
-    process-wide; nothing happens on machines without CUDA.
+    every new shape, which costs far more than PyTorch's flash and memory-efficient kernels save
+    (docs/performance.md, "Attention kernels on GPUs"). The setting is process-wide; nothing happens
+    on machines without CUDA.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -143,35 +143,6 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
         )
 
 
-def _save_checkpoint(accelerator, model, optimizer, scheduler, checkpoints_dir: Path, state: dict, keep: int) -> Path:
-    """Every process writes its RNG state, the main process the rest; the checkpoint appears atomically."""
-    directory = ckpt.incomplete_dir(checkpoints_dir, state["step"], create=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    ckpt.write_rng_state(directory, accelerator.process_index)
-    accelerator.wait_for_everyone()
-    published = checkpoints_dir / f"step-{state['step']}"
-    if accelerator.is_main_process:
-        optimizer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-        if accelerator.scaler is not None:
-            optimizer_state["scaler"] = accelerator.scaler.state_dict()
-        ckpt.write_main_state(directory, accelerator.unwrap_model(model), optimizer_state, state)
-        best = (state["best_step"],) if state.get("best_step") else ()
-        published = ckpt.publish_checkpoint(directory, keep, protect=best)
-    accelerator.wait_for_everyone()
-    return published
-
-
-def _restore_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> None:
-    """Load weights, optimizer, scheduler, loss scaler and this process's RNG state from a verified checkpoint."""
-    ckpt.load_model_state(accelerator.unwrap_model(model), ckpt.load_weights(path))
-    saved = ckpt.load_optimizer_state(path)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    if accelerator.scaler is not None and "scaler" in saved:
-        accelerator.scaler.load_state_dict(saved["scaler"])
-    ckpt.restore_rng_state(path, accelerator.process_index)
-
-
 def _write_log(log_path: Path, records: list[dict]) -> None:
     temporary = log_path.with_suffix(".tmp")
     temporary.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -190,7 +161,7 @@ def train(config: TrainingConfig) -> Path:
     target tokens, so that the update is that of one big batch whatever the split (§5.1, §5.4).
     A checkpoint is written every `save_steps` steps (and `save_minutes`); with `resume`, a run
     continues from its newest checkpoint and ends with the parameters an uninterrupted run would
-    have had (bitwise on CPU).
+    have had (bitwise on CPU). The last `average_last` checkpoints are averaged into the model (§6.1).
 
     Args:
         config: the run's settings.
@@ -208,204 +179,304 @@ def train(config: TrainingConfig) -> Path:
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
-    launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    accelerator = Accelerator(
-        cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
-        mixed_precision=config.mixed_precision,
-        log_with=config.report_to or None,
-        project_dir=str(Path(config.output_dir) / "runs"),
-    )
-    if accelerator.device.type == "cuda":
-        avoid_cudnn_attention()
-    output_dir = Path(config.output_dir)
-    checkpoints_dir = output_dir / "checkpoints"
-    _check_output_dir(output_dir, config.resume)
-    if accelerator.is_main_process:
-        ensure_writable(output_dir)
-        for leftover in ckpt.remove_leftovers(checkpoints_dir):
-            accelerator.print(f"Removed {leftover.name}, left behind by a run that was killed.")
-    resume_from, state = ckpt.latest_good_checkpoint(checkpoints_dir, accelerator.num_processes)
-    accelerator.wait_for_everyone()
-    set_seed(config.seed, device_specific=True)  # different dropout masks on every process
-
-    corpus = load_parallel_corpus(
-        config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
-    )
-    tokenizer = _prepare_tokenizer(config, corpus, resuming=resume_from is not None)
-    if accelerator.is_main_process and resume_from is None:
-        tokenizer.save_pretrained(output_dir)  # resumed runs must tokenize exactly alike
-        (output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-    tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
-    model_config = VaswaniConfig.from_preset(
-        config.preset,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.bos_token_id,
-        **config.model_overrides,
-    )
-    model = VaswaniForConditionalGeneration(model_config)
-
-    train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
-    has_validation = "validation" in tokenized
-    if has_validation:
-        valid_batches = _batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
-        bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
-        bleu_sources, bleu_references = list(bleu_split[config.source_lang]), list(bleu_split[config.target_lang])
-    optimizer = torch.optim.Adam(
-        model.parameters(),
-        lr=1.0,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_epsilon,
-        # One kernel for all parameters instead of a loop over them: about 7% more tokens per second
-        # on the CPU (README, Performance). Other devices keep PyTorch's default implementation.
-        fused=True if accelerator.device.type in ("cpu", "cuda") else None,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, inverse_square_root_schedule(model_config.d_model, config.warmup_steps, config.learning_rate_scale)
-    )
-    # The batches are already sharded per process (TokenBatchSampler), so Accelerate does not prepare them.
-    # Not the scheduler: Accelerate's would step once per process, and the schedule counts optimizer steps.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    unwrapped = accelerator.unwrap_model(model)
-
-    log_path = output_dir / "training_log.jsonl"
-    state = state or {
-        "step": 0, "epoch": 0, "batches_done": 0, "elapsed_seconds": 0.0, "skipped_nonfinite": 0,
-        "best_step": None, "best_score": None, "validations_without_improvement": 0,
-        "world_size": accelerator.num_processes, "interval": [0.0, 0.0],
-    }  # fmt: skip
-    if resume_from is not None:
-        _restore_checkpoint(accelerator, model, optimizer, scheduler, resume_from)
-        accelerator.print(f"Resuming from {resume_from} (step {state['step']}).")
-    records = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
-    records = [r for r in records if r["step"] <= state["step"]]  # what a killed run logged after its checkpoint
-    if accelerator.is_main_process:
-        _write_log(log_path, records)
-    if config.report_to:
-        accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
-
-    started = time.monotonic() - state["elapsed_seconds"]
-    last_save = time.monotonic()
-    max_steps = config.max_steps or math.inf
-    progress = tqdm(
-        total=config.max_steps, initial=state["step"], desc="Training", unit="step",
-        disable=not accelerator.is_local_main_process,
-    )  # fmt: skip
-    stream = _micro_batches(train_batches, state["epoch"], state["batches_done"])
-    # Summed loss and target tokens since the last log record (a checkpoint carries them across a resume).
-    interval = torch.tensor(state["interval"], dtype=torch.float64, device=accelerator.device)
-    model.train()
-    done = state["step"] >= max_steps
+    run = TrainingRun(config)
+    done = run.state["step"] >= run.max_steps
     while not done:
-        micro_batches = [next(stream) for _ in range(config.update_freq)]
+        step_loss = run.optimizer_step()
+        if step_loss is not None:  # None: a non-finite loss, skipped
+            done = run.after_step(step_loss)
+    return run.finish()
+
+
+class TrainingRun:
+    """The state of one `train` run and its steps: set-up, optimizer step, validation, checkpoint, finish.
+
+    Args:
+        config: the run's settings. Creating the run sets everything up: the output directory, the
+            corpus and tokenizer, the model, Adam with the §5.3 schedule, and the state of the
+            checkpoint it resumes from, if any.
+    """
+
+    def __init__(self, config: TrainingConfig) -> None:
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.checkpoints_dir = self.output_dir / "checkpoints"
+        self.log_path = self.output_dir / "training_log.jsonl"
+        self.max_steps = config.max_steps or math.inf
+        resume_from, state = self._start()
+        self._prepare(self._load_data_and_model(resume_from))
+        self._resume(resume_from, state)
+
+    def _start(self) -> tuple[Path | None, dict | None]:
+        # The processes, the output directory, and the checkpoint to resume from (None: a new run).
+        config = self.config
+        launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+        self.accelerator = accelerator = Accelerator(
+            cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
+            mixed_precision=config.mixed_precision,
+            log_with=config.report_to or None,
+            project_dir=str(self.output_dir / "runs"),
+        )
+        if accelerator.device.type == "cuda":
+            avoid_cudnn_attention()
+        _check_output_dir(self.output_dir, config.resume)
+        if accelerator.is_main_process:
+            ensure_writable(self.output_dir)
+            for leftover in ckpt.remove_leftovers(self.checkpoints_dir):
+                accelerator.print(f"Removed {leftover.name}, left behind by a run that was killed.")
+        resume_from, state = ckpt.latest_good_checkpoint(self.checkpoints_dir, accelerator.num_processes)
+        accelerator.wait_for_everyone()
+        set_seed(config.seed, device_specific=True)  # different dropout masks on every process
+        return resume_from, state
+
+    def _load_data_and_model(self, resume_from: Path | None) -> VaswaniForConditionalGeneration:
+        # The corpus, its tokenizer and batches, and a new model sized for the tokenizer.
+        config, accelerator = self.config, self.accelerator
+        corpus = load_parallel_corpus(
+            config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
+        )
+        self.tokenizer = tokenizer = _prepare_tokenizer(config, corpus, resuming=resume_from is not None)
+        if accelerator.is_main_process and resume_from is None:
+            tokenizer.save_pretrained(self.output_dir)  # resumed runs must tokenize exactly alike
+            (self.output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+        tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
+        model_config = VaswaniConfig.from_preset(
+            config.preset,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.bos_token_id,
+            **config.model_overrides,
+        )
+        model = VaswaniForConditionalGeneration(model_config)
+        self.train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
+        self.valid_batches = None
+        if "validation" in tokenized:
+            self.valid_batches = _batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
+            bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
+            self.bleu_sources = list(bleu_split[config.source_lang])
+            self.bleu_references = list(bleu_split[config.target_lang])
+        return model
+
+    def _prepare(self, model: VaswaniForConditionalGeneration) -> None:
+        # Adam and the learning-rate schedule of §5.3, and the model and optimizer placed by Accelerate.
+        config = self.config
+        optimizer = torch.optim.Adam(
+            model.parameters(),
+            lr=1.0,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            # One kernel for all parameters instead of a loop over them (docs/performance.md, "Fused Adam").
+            # Other devices keep PyTorch's default implementation.
+            fused=True if self.accelerator.device.type in ("cpu", "cuda") else None,
+        )
+        schedule = inverse_square_root_schedule(model.config.d_model, config.warmup_steps, config.learning_rate_scale)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # The batches are already sharded per process (TokenBatchSampler), so Accelerate does not prepare them.
+        # Not the scheduler: Accelerate's would step once per process, and the schedule counts optimizer steps.
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.unwrapped = self.accelerator.unwrap_model(self.model)
+
+    def _resume(self, resume_from: Path | None, state: dict | None) -> None:
+        # The run's progress: new, or restored from its checkpoint, with the log cut back to it.
+        config, accelerator = self.config, self.accelerator
+        self.state = state or {
+            "step": 0, "epoch": 0, "batches_done": 0, "elapsed_seconds": 0.0, "skipped_nonfinite": 0,
+            "best_step": None, "best_score": None, "validations_without_improvement": 0,
+            "world_size": accelerator.num_processes, "interval": [0.0, 0.0],
+        }  # fmt: skip
+        if resume_from is not None:
+            self._restore_checkpoint(resume_from)
+            accelerator.print(f"Resuming from {resume_from} (step {self.state['step']}).")
+        log = self.log_path
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+        if accelerator.is_main_process:  # without what a killed run logged after its checkpoint
+            _write_log(log, [r for r in records if r["step"] <= self.state["step"]])
+        if config.report_to:
+            accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
+        self.started = time.monotonic() - self.state["elapsed_seconds"]
+        self.last_save = time.monotonic()
+        self.progress = tqdm(
+            total=config.max_steps, initial=self.state["step"], desc="Training", unit="step",
+            disable=not accelerator.is_local_main_process,
+        )  # fmt: skip
+        self.stream = _micro_batches(self.train_batches, self.state["epoch"], self.state["batches_done"])
+        # Summed loss and target tokens since the last log record (a checkpoint carries them across a resume).
+        self.interval = torch.tensor(self.state["interval"], dtype=torch.float64, device=accelerator.device)
+        self.model.train()
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        """One update from `update_freq` batches per process (§5.1, §5.3); its loss, or None if it was skipped.
+
+        Raises:
+            NonFiniteLossError: the loss is NaN or infinite and `skip_nonfinite` is off.
+            MemoryError: a batch did not fit on the device.
+        """
+        accelerator, state = self.accelerator, self.state
+        micro_batches = [next(self.stream) for _ in range(self.config.update_freq)]
         tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in micro_batches).to(accelerator.device)
         # DDP averages gradients over processes: dividing by (all tokens / processes) gives sum / all tokens.
         normaliser = accelerator.reduce(tokens.double(), reduction="sum") / accelerator.num_processes
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, (_, _, batch) in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            try:
-                with sync:
-                    loss = model(**batch.to(accelerator.device), num_items_in_batch=normaliser).loss
-                    accelerator.backward(loss)
-            except torch.OutOfMemoryError as error:
-                raise MemoryError(
-                    f"Out of memory on {accelerator.device} with a batch of {tuple(batch['input_ids'].shape)} tokens: "
-                    f"lower --max-tokens (now {config.max_tokens}) and raise --update-freq to keep the batch size."
-                ) from error
-            step_loss += loss.detach().double()
+            step_loss += self._backward(batch, normaliser, last=index == len(micro_batches) - 1)
         # The loss of the whole step, over every process: all processes agree on what follows.
         step_loss = accelerator.reduce(step_loss, reduction="sum") / accelerator.num_processes
         if not torch.isfinite(step_loss):
-            optimizer.zero_grad(set_to_none=True)
-            if not config.skip_nonfinite:
-                latest = ckpt.list_checkpoints(checkpoints_dir)
-                raise NonFiniteLossError(
-                    f"The loss is {float(step_loss)} at step {state['step'] + 1}; training stopped without applying "
-                    f"it. Last good checkpoint: {latest[-1] if latest else 'none'} (continue with --resume, perhaps "
-                    "with a lower --learning-rate-scale), or pass --skip-nonfinite to skip such batches."
-                )
-            state["skipped_nonfinite"] += 1
-            accelerator.print(f"Skipped a batch with loss {float(step_loss)} ({state['skipped_nonfinite']} so far).")
+            self._skip_nonfinite(step_loss)
             state["epoch"], state["batches_done"] = micro_batches[-1][:2]
-            continue
-        optimizer.step()
+            return None
+        self.optimizer.step()
         if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with overflowing gradients
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         state["epoch"], state["batches_done"] = micro_batches[-1][:2]
         global_tokens = normaliser * accelerator.num_processes
-        interval += torch.stack([step_loss * global_tokens, global_tokens])
-        step = state["step"]
-        progress.update(1)
-        progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        self.interval += torch.stack([step_loss * global_tokens, global_tokens])
+        return step_loss
 
+    def _backward(self, batch: dict, normaliser: torch.Tensor, last: bool) -> torch.Tensor:
+        # Gradients of one batch's share of the step's loss; processes synchronise on the last batch only.
+        accelerator = self.accelerator
+        sync = contextlib.nullcontext() if last else accelerator.no_sync(self.model)
+        try:
+            with sync:
+                loss = self.model(**batch.to(accelerator.device), num_items_in_batch=normaliser).loss
+                accelerator.backward(loss)
+        except torch.OutOfMemoryError as error:
+            raise MemoryError(
+                f"Out of memory on {accelerator.device} with a batch of {tuple(batch['input_ids'].shape)} tokens: "
+                f"lower --max-tokens (now {self.config.max_tokens}) and raise --update-freq to keep the batch size."
+            ) from error
+        return loss.detach().double()
+
+    def _skip_nonfinite(self, step_loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.config.skip_nonfinite:
+            latest = ckpt.list_checkpoints(self.checkpoints_dir)
+            raise NonFiniteLossError(
+                f"The loss is {float(step_loss)} at step {self.state['step'] + 1}; training stopped without applying "
+                f"it. Last good checkpoint: {latest[-1] if latest else 'none'} (continue with --resume, perhaps "
+                "with a lower --learning-rate-scale), or pass --skip-nonfinite to skip such batches."
+            )
+        self.state["skipped_nonfinite"] += 1
+        self.accelerator.print(
+            f"Skipped a batch with loss {float(step_loss)} ({self.state['skipped_nonfinite']} so far)."
+        )
+
+    def after_step(self, step_loss: torch.Tensor) -> bool:
+        """Log, validate and checkpoint as the step number and the clock say; True when the run is over."""
+        config, step = self.config, self.state["step"]
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         # Deadlines are read on the main process and shared, so that every process stops and saves alike.
         clock = torch.tensor(
-            [time.monotonic() - started >= 60 * (config.max_minutes or math.inf),
-             time.monotonic() - last_save >= 60 * (config.save_minutes or math.inf)],
-            device=accelerator.device,
+            [time.monotonic() - self.started >= 60 * (config.max_minutes or math.inf),
+             time.monotonic() - self.last_save >= 60 * (config.save_minutes or math.inf)],
+            device=self.accelerator.device,
         ).float()  # fmt: skip
-        out_of_time, save_due = (bool(flag) for flag in _broadcast(accelerator, clock))
-        done = step >= max_steps or out_of_time
+        out_of_time, save_due = (bool(flag) for flag in _broadcast(self.accelerator, clock))
+        done = step >= self.max_steps or out_of_time
         record = {}
         if step % config.log_steps == 0 or step % config.eval_steps == 0 or done:
-            record = {"step": step, "epoch": state["epoch"], "train_loss": float(interval[0] / interval[1])}
-            record["learning_rate"] = scheduler.get_last_lr()[0]
-            interval.zero_()
-        if has_validation and (step % config.eval_steps == 0 or done):
-            record["validation_loss"] = validation_loss(unwrapped, valid_batches, accelerator)
-            score = record["validation_loss"]
-            if config.bleu_sentences:
-                bleu = 0.0
-                if accelerator.is_main_process:
-                    bleu = validation_bleu(unwrapped, tokenizer, bleu_sources, bleu_references)
-                record["validation_bleu"] = bleu = float(_broadcast(accelerator, torch.tensor([bleu]))[0])
-                score = -bleu
-            if state["best_score"] is None or score < state["best_score"]:
-                state.update(best_score=score, best_step=step, validations_without_improvement=0)
-                save_due = True  # the best model is kept as a checkpoint, whatever --save-steps says
-            else:
-                state["validations_without_improvement"] += 1
-            patience = config.early_stopping_patience
-            if patience is not None and state["validations_without_improvement"] >= patience:
-                accelerator.print(f"Early stopping at step {step}: no improvement in {patience} validations.")
-                done = True
+            record = {
+                "step": step,
+                "epoch": self.state["epoch"],
+                "train_loss": float(self.interval[0] / self.interval[1]),
+            }
+            record["learning_rate"] = self.scheduler.get_last_lr()[0]
+            self.interval.zero_()
+        if self.valid_batches is not None and (step % config.eval_steps == 0 or done):
+            improved, patience_over = self.validate(record)
+            save_due, done = save_due or improved, done or patience_over
         if record:
-            record["skipped_nonfinite"] = state["skipped_nonfinite"]
-            if done and accelerator.num_processes > 1:
-                # Data parallelism keeps replicas identical; a differing sum would reveal a desynchronised process.
-                sums = accelerator.gather(torch.tensor([_parameter_checksum(unwrapped)], device=accelerator.device))
-                record["replica_checksums"] = sums.tolist()
-            records.append(record)
-            progress.write(json.dumps(record))
-            if accelerator.is_main_process:
-                with log_path.open("a") as log:
-                    log.write(json.dumps(record) + "\n")
-            accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=step)
+            self._log(record, done)
         if step % config.save_steps == 0 or save_due or done:
-            state.update(elapsed_seconds=time.monotonic() - started, interval=interval.tolist())
-            _save_checkpoint(accelerator, model, optimizer, scheduler, checkpoints_dir, state, config.keep_checkpoints)
-            last_save = time.monotonic()
-    progress.close()
+            self.save_checkpoint()
+        return done
 
-    if accelerator.is_main_process:
-        final = accelerator.unwrap_model(model)
-        last = ckpt.list_checkpoints(checkpoints_dir)[-config.average_last :]
-        ckpt.load_model_state(final, ckpt.average_checkpoints(last))
-        save_translator(final, tokenizer, output_dir)
-        write_model_card(output_dir)
-        try:
-            plot_learning_curve(log_path, output_dir / "learning_curve.png")
-        except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
-            accelerator.print(f"No learning_curve.png: {error}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # closes the trackers and the process group
-    return output_dir
+    def validate(self, record: dict) -> tuple[bool, bool]:
+        """Validation loss (and BLEU) into `record`; whether it is the best so far, and whether patience ran out."""
+        accelerator, state = self.accelerator, self.state
+        record["validation_loss"] = score = validation_loss(self.unwrapped, self.valid_batches, accelerator)
+        if self.config.bleu_sentences:
+            bleu = 0.0
+            if accelerator.is_main_process:
+                bleu = validation_bleu(self.unwrapped, self.tokenizer, self.bleu_sources, self.bleu_references)
+            record["validation_bleu"] = bleu = float(_broadcast(accelerator, torch.tensor([bleu]))[0])
+            score = -bleu
+        improved = state["best_score"] is None or score < state["best_score"]
+        if improved:  # the best model is kept as a checkpoint, whatever --save-steps says
+            state.update(best_score=score, best_step=record["step"], validations_without_improvement=0)
+        else:
+            state["validations_without_improvement"] += 1
+        patience = self.config.early_stopping_patience
+        patience_over = patience is not None and state["validations_without_improvement"] >= patience
+        if patience_over:
+            accelerator.print(f"Early stopping at step {record['step']}: no improvement in {patience} validations.")
+        return improved, patience_over
+
+    def _log(self, record: dict, done: bool) -> None:
+        accelerator = self.accelerator
+        record["skipped_nonfinite"] = self.state["skipped_nonfinite"]
+        if done and accelerator.num_processes > 1:
+            # Data parallelism keeps replicas identical; a differing sum would reveal a desynchronised process.
+            sums = accelerator.gather(torch.tensor([_parameter_checksum(self.unwrapped)], device=accelerator.device))
+            record["replica_checksums"] = sums.tolist()
+        self.progress.write(json.dumps(record))
+        if accelerator.is_main_process:
+            with self.log_path.open("a") as log:
+                log.write(json.dumps(record) + "\n")
+        accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=record["step"])
+
+    def save_checkpoint(self) -> Path:
+        """Every process writes its RNG state, the main process the rest; the checkpoint appears atomically."""
+        accelerator, state = self.accelerator, self.state
+        state.update(elapsed_seconds=time.monotonic() - self.started, interval=self.interval.tolist())
+        directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        ckpt.write_rng_state(directory, accelerator.process_index)
+        accelerator.wait_for_everyone()
+        published = self.checkpoints_dir / f"step-{state['step']}"
+        if accelerator.is_main_process:
+            optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            if accelerator.scaler is not None:
+                optimizer_state["scaler"] = accelerator.scaler.state_dict()
+            ckpt.write_main_state(directory, self.unwrapped, optimizer_state, state)
+            best = (state["best_step"],) if state.get("best_step") else ()
+            published = ckpt.publish_checkpoint(directory, self.config.keep_checkpoints, protect=best)
+        accelerator.wait_for_everyone()
+        self.last_save = time.monotonic()
+        return published
+
+    def _restore_checkpoint(self, path: Path) -> None:
+        # Weights, optimizer, scheduler, loss scaler and this process's RNG state from a verified checkpoint.
+        ckpt.load_model_state(self.unwrapped, ckpt.load_weights(path))
+        saved = ckpt.load_optimizer_state(path)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if self.accelerator.scaler is not None and "scaler" in saved:
+            self.accelerator.scaler.load_state_dict(saved["scaler"])
+        ckpt.restore_rng_state(path, self.accelerator.process_index)
+
+    def finish(self) -> Path:
+        """Average the last checkpoints into the model (§6.1), save it with its card and curve; the directory."""
+        self.progress.close()
+        accelerator = self.accelerator
+        if accelerator.is_main_process:
+            last = ckpt.list_checkpoints(self.checkpoints_dir)[-self.config.average_last :]
+            ckpt.load_model_state(self.unwrapped, ckpt.average_checkpoints(last))
+            save_translator(self.unwrapped, self.tokenizer, self.output_dir)
+            write_model_card(self.output_dir)
+            try:
+                plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
+            except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
+                accelerator.print(f"No learning_curve.png: {error}")
+        accelerator.wait_for_everyone()
+        accelerator.end_training()  # closes the trackers and the process group
+        return self.output_dir
 
 
 def _broadcast(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
