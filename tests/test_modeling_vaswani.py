@@ -251,7 +251,7 @@ def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_t
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm (paper)", "pre-norm option"])
-def test_stacks_match_torch_nn_transformer_on_a_paddedseq2seq_batch(tokenizer, test_sentences, norm_first):
+def test_stacks_match_torch_nn_transformer_on_a_padded_batch(tokenizer, test_sentences, norm_first):
     """Parity with an implementation written elsewhere: torch.nn.Transformer (ReLU)."""
     d_model, heads, d_ff, layers = 32, 4, 64, 2
     model = random_model(tokenizer, seed=11, normalize_before=norm_first)
