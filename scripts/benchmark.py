@@ -9,10 +9,10 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
 - training: non-padding source + target tokens per second of forward + backward + (fused) Adam step, on
   the same Multi30k batches (the project's `TokenBatchSampler`, `--max-tokens` per side) for both
   PyTorch engines. Both compute the same loss: ours its output projection fused with the
-  label-smoothed cross entropy (`modeling_vaswani.linear_label_smoothed_cross_entropy`), Marian
+  label-smoothed cross entropy (`ops_vaswani.linear_label_smoothed_cross_entropy`), Marian
   `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
   Both apply dropout in the same places at the same rate; ours draws its CPU masks with fewer generator
-  calls (`modeling_vaswani.residual_dropout`), Marian with `F.dropout`.
+  calls (`ops_vaswani.residual_dropout`), Marian with `F.dropout`.
 - decoding: generated tokens per second of beam search (beam 4) and greedy search, batches of 32
   Multi30k test sentences. Untrained weights would stop at random lengths, so every engine is
   forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =
@@ -23,11 +23,12 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
   of 32, each sentence ending where the model ends it, as in real use: here a search that stops
   working on finished sentences gains. The three engines run the same trained weights.
 
-    python scripts/benchmark.py --presets small base --threads 2 --output-dir benchmarks \
-        [--model outputs/multi30k-en-de]
+    python scripts/benchmark.py --presets small base --threads 2 [--model outputs/multi30k-en-de]
 
-writes `benchmarks/cpu.json` and `benchmarks/cpu.md`. With `--device cuda --dtype bfloat16` (or float16)
-it measures on the GPU instead and writes `benchmarks/cuda-bfloat16.{json,md}`: training in mixed
+writes `benchmarks/results/DATE_DEVICE_COMMIT.{json,md}` (the CPU model and its widest vector
+extension, or the GPU and dtype; refusing to overwrite an earlier run), with the machine, its vector
+extensions, GPU driver and CUDA, the commit and library versions in the report. With `--device cuda
+--dtype bfloat16` (or float16) it measures on the GPU instead: training in mixed
 precision (autocast, and a gradient scaler for float16, as `train --mixed-precision` runs it, and
 without cuDNN's attention, as `train` does: `training.avoid_cudnn_attention`),
 decoding with the weights in that dtype, CTranslate2 with that compute type (int8: int8_<dtype>).
@@ -50,6 +51,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -184,15 +186,42 @@ def machine(device: str) -> dict:
         ctranslate2_version = version("ctranslate2")
     except PackageNotFoundError:  # a run of the PyTorch engines alone
         ctranslate2_version = None
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "cpu": cpu or platform.processor(),
+        # The vector extensions decide which kernels are fast: a speed-up on one set is not one on another.
+        "cpu_vector_extensions": sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))),
         "cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "cuda": torch.version.cuda if device == "cuda" else None,
+        "gpu_driver": _nvidia_driver() if device == "cuda" else None,
+        "commit": commit.stdout.strip() or None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "ctranslate2": ctranslate2_version,
     }
+
+
+def _nvidia_driver() -> str | None:
+    result = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return result.stdout.strip() or None
+
+
+def report_stem(report: dict) -> str:
+    """`DATE_DEVICE_COMMIT`: a run's file set in benchmarks/results/ (e.g. 2026-11-24_cpu-xeon-amx_1a2b3c4)."""
+    machine = report["machine"]
+    if report["device"] == "cpu":
+        extensions = machine["cpu_vector_extensions"]
+        widest = next((x for x in ("amx", "avx512", "avx2") if any(e.startswith(x) for e in extensions)), "novec")
+        device = f"cpu-{machine['cpu']}-{widest}"
+    else:
+        device = f"{machine['gpu']}-{report['dtype']}"
+    device = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}"
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -303,10 +332,12 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     ct2_version = f"ctranslate2 {m['ctranslate2']}" if m["ctranslate2"] else "no ctranslate2"
     where = (
-        f"{m['gpu']}, {report['dtype']}" + (" (training: mixed precision)" if report["dtype"] != "float32" else "")
+        f"{m['gpu']} (driver {m['gpu_driver']}, CUDA {m['cuda']}), {report['dtype']}"
+        + (" (training: mixed precision)" if report["dtype"] != "float32" else "")
         if report["device"] == "cuda"
-        else f"{m['cpu']}, {report['threads']} threads of {m['cores']} cores"
+        else f"{m['cpu']} ({' '.join(m['cpu_vector_extensions'])}), {report['threads']} threads of {m['cores']} cores"
     )
+    where += f"; commit {m['commit']}"
     lines.append(
         f"{where}; torch {m['torch']}, transformers {m['transformers']}, "
         f"{ct2_version}. Load average before / after: "
@@ -372,11 +403,13 @@ def parent(args: argparse.Namespace) -> None:
         translate_model=str(args.model) if args.model else None,
     )
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = "cpu" if args.device == "cpu" else f"cuda-{args.dtype}"
-    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    stem = args.output_dir / report_stem(report)
     table = markdown(report)
-    (args.output_dir / f"{name}.md").write_text(table)
+    for suffix, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table)):
+        with open(stem.with_suffix(suffix), "x") as file:  # a run's results are never overwritten
+            file.write(text)
     print(table)
+    print(f"Results: {stem}.json and .md (keep the stderr lines beside them as {stem.name}.log)", file=sys.stderr)
 
 
 # The children: one engine, one task, one process --------------------------------------------------
@@ -699,7 +732,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines run (default: cpu)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="training autocast and decoding dtype; float32 on the CPU (default: float32)")  # fmt: skip
-    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks", help="where the reports go")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where the reports go")
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
