@@ -204,3 +204,30 @@ def test_push_command_reports_a_refused_upload_as_an_error_not_a_traceback(hub, 
     assert result.stderr.startswith("vaswani-transformer push: error:") and "Traceback" not in result.stderr
     assert "org/refused" in result.stderr and "401" in result.stderr, result.stderr
     assert not hub.repo_dir("org/refused").exists()
+
+
+def test_model_card_is_titled_by_the_model_and_says_truly_how_to_load_it(trained_model_dir, tmp_path):
+    import re
+
+    from huggingface_hub import EvalResult, ModelCard
+
+    from vaswani_transformer.hub import write_model_card
+
+    model_dir = shutil.copytree(trained_model_dir, tmp_path / "model")
+    signature = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.5.1"
+    result = EvalResult(
+        task_type="translation", dataset_type="multi30k", dataset_name="multi30k", dataset_split="test_2016_flickr",
+        metric_type="sacrebleu", metric_name="sacreBLEU", metric_value=31.5, metric_config=signature,
+    )  # fmt: skip
+    card = ModelCard.load(write_model_card(model_dir, "org/transformer-small-en-de", result))
+    assert card.text.lstrip().startswith("# transformer-small-en-de\n")
+    assert not [url for url in re.findall(r"https?://\S+", card.content) if "huggingface.co" not in url]
+    assert 'from_pretrained("org/transformer-small-en-de", trust_remote_code=True)' in card.text
+    assert 'pipeline("translation", model="org/transformer-small-en-de", trust_remote_code=True)' in card.text
+    assert "import vaswani_transformer" in card.text
+    index = card.data.to_dict()["model-index"][0]
+    assert index["name"] == "transformer-small-en-de"
+    metric = index["results"][0]["metrics"][0]
+    assert (metric["type"], metric["value"], metric["config"]) == ("sacrebleu", 31.5, signature)
+    # Without a Hub id, the directory names the model.
+    assert ModelCard.load(write_model_card(model_dir)).text.lstrip().startswith("# model\n")

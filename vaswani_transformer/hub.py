@@ -143,7 +143,7 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
     translation`, `library_name`, and a `model-index` of the measured scores), intended use, the
     training recipe (from `training_config.json` and `training_log.jsonl` when present), the
     evaluation results and limitations. Results already in the card are kept; `eval_result`
-    replaces one for the same dataset, split and metric. The template is `model_cards/template.md`.
+    replaces one for the same dataset, split and metric. The template is `model_card_template.md`.
 
     Args:
         model_dir: a directory written by `train` or `save_translator`.
@@ -182,6 +182,7 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
     card = ModelCard.from_template(
         card_data,
         template_path=MODEL_CARD_TEMPLATE,
+        model_name=model_name,
         model_id=model_id or str(model_dir),
         source_lang=source_lang,
         target_lang=target_lang,
