@@ -325,3 +325,67 @@ def test_a_read_only_output_directory_is_refused(tmp_path):
     read_only.mkdir(mode=0o555)
     with pytest.raises(OSError, match=f"Cannot write to {read_only}: Permission denied"):
         ensure_writable(read_only)
+
+
+# Round two: what a new user hit ------------------------------------------------------------------
+
+
+def _one_sentence(directory: Path) -> Path:
+    source = directory / "in.en"
+    source.write_text("A dog runs.\n")
+    return source
+
+
+def test_a_zero_step_or_minute_budget_is_refused_not_read_as_no_limit(multi30k_dir, tmp_path, capsys):
+    required = ["train", "--data-dir", multi30k_dir, "--source-lang", "en", "--target-lang", "de"]
+    for budget in (["--max-steps", "0"], ["--max-minutes", "0"], ["--max-steps", "-3"]):
+        status, _, err = run_cli(capsys, *required, "--output-dir", tmp_path / "out", *budget)
+        assert_one_line_error(status, err, budget[0][2:].replace("-", "_"), "positive")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_beams_are_refused_in_one_line(translator, translator_dir, tmp_path, capsys):
+    model, tokenizer = translator
+    with pytest.raises(ValueError, match="num_beams must be at least 1"):
+        model.generate(**tokenizer(["A dog runs."], return_tensors="pt"), num_beams=0)
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--num-beams", "0")
+    assert_one_line_error(status, err, "num_beams", "at least 1")
+
+
+def test_a_cuda_device_without_cuda_is_refused_in_one_line(translator_dir, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--device", "cuda")
+    assert_one_line_error(status, err, "no CUDA", "--device cpu")
+
+
+@pytest.mark.parametrize("size", [5_000, 100], ids=["truncated", "header only"])
+def test_a_truncated_weights_file_is_named_in_one_line(translator_dir, tmp_path, capsys, size):
+    damaged = shutil.copytree(translator_dir, tmp_path / "damaged")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:size])
+    status, _, err = run_cli(capsys, "translate", "--model", damaged, "--input", _one_sentence(tmp_path))
+    assert_one_line_error(status, err, "model.safetensors is damaged")
+
+
+def test_a_model_directory_that_does_not_exist_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    status, _, err = run_cli(capsys, "translate", "--model", tmp_path / "missing", "--input", _one_sentence(tmp_path))
+    assert_one_line_error(status, err, str(tmp_path / "missing"), "does not exist")
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(capsys, "translate", "--model", "outputs/missing", "--input", _one_sentence(tmp_path))
+    assert_one_line_error(status, err, "outputs/missing is not a directory here")
+
+
+def test_a_model_directory_without_a_tokenizer_says_so(translator_dir, tmp_path, capsys):
+    bare = shutil.copytree(translator_dir, tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    status, _, err = run_cli(capsys, "translate", "--model", bare, "--input", _one_sentence(tmp_path))
+    assert_one_line_error(status, err, "holds no tokenizer")

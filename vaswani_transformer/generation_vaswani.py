@@ -162,9 +162,12 @@ class VaswaniGenerationMixin(GenerationMixin):
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
 
         Raises:
-            ValueError: `length_penalty_type` is neither "gnmt" nor "hf".
+            ValueError: `length_penalty_type` is neither "gnmt" nor "hf", or `num_beams` is below 1.
         """
         config = generation_config or self.generation_config
+        num_beams = kwargs.get("num_beams", config.num_beams)
+        if num_beams is not None and num_beams < 1:
+            raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")

@@ -38,7 +38,7 @@ class TrainingConfig:
     they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
 
     Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size that is not positive, or
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size or budget that is not positive, or
             fewer checkpoints kept than averaged.
     """
 
@@ -118,6 +118,9 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
             raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
+        for name in ("max_steps", "max_minutes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}; leave it out for no such limit.")
         for name in (
             "vocab_size",
             "max_length",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import evaluate
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -32,13 +33,33 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
         device: "cpu", "cuda", "cuda:1", ...; None picks CUDA when available.
 
     Raises:
-        OSError: the directory or repository does not hold a model (from `from_pretrained`).
-        ValueError: `config.json` holds impossible values (from `VaswaniConfig`), or the tokenizer
-            does not match the model (see `check_tokenizer_matches`).
+        OSError: the directory does not exist or holds no tokenizer, its weights file is damaged,
+            or neither a directory nor the Hub holds such a model.
+        ValueError: `device` is CUDA on a machine without it, `config.json` holds impossible values
+            (from `VaswaniConfig`), or the tokenizer does not match the model (see `check_tokenizer_matches`).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r}: this PyTorch sees no CUDA GPU; use --device cpu, or a CUDA build of torch."
+        )
+    local = Path(model_dir).expanduser()
+    if local.is_dir() and not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise OSError(f"{model_dir} holds no tokenizer (tokenizer.json); save one beside the model, as `train` does.")
+    if not local.exists() and (Path(model_dir).is_absolute() or model_dir.startswith((".", "~"))):
+        raise OSError(f"{model_dir} does not exist; give a model directory written by `train`, or a Hub id.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    except SafetensorError as error:
+        raise OSError(f"{model_dir}: model.safetensors is damaged ({error}); copy or download it again.") from error
+    except OSError as error:
+        if local.is_dir():
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(
+            f"{model_dir} is not a directory here, and loading it from the Hub failed: {first_line}"
+        ) from error
     check_tokenizer_matches(model.config, tokenizer, model_dir)
     return model.to(device).eval(), tokenizer
 
