@@ -389,3 +389,39 @@ def test_a_model_directory_without_a_tokenizer_says_so(translator_dir, tmp_path,
         (bare / name).unlink()
     status, _, err = run_cli(capsys, "translate", "--model", bare, "--input", _one_sentence(tmp_path))
     assert_one_line_error(status, err, "holds no tokenizer")
+
+
+def test_a_byte_order_mark_is_removed_with_one_warning_from_corpora_and_input(multi30k_dir, tmp_path, caplog):
+    sources = (multi30k_dir / "train.en").read_text(encoding="utf-8").splitlines()[:3]
+    targets = (multi30k_dir / "train.de").read_text(encoding="utf-8").splitlines()[:3]
+    (tmp_path / "train.en").write_text("\n".join(sources) + "\n", encoding="utf-8-sig")  # the BOM first
+    (tmp_path / "train.de").write_text("\n".join(targets) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
+        corpus = load_parallel_corpus(tmp_path, "en", "de")
+    assert corpus["train"]["en"] == sources and corpus["train"]["de"] == targets
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'train.en'}: removed the UTF-8 byte-order mark at its start."
+    ]
+    assert list(iter_lines(io.BytesIO("\ufeffTwo dogs.\nA cat.\n".encode()), "<stdin>")) == ["Two dogs.", "A cat."]
+
+
+def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines(tmp_path):
+    (tmp_path / "train.en").write_bytes(b"one\rstill one\ntwo\r\nthree\n")
+    (tmp_path / "train.de").write_bytes(b"eins\nzwei\ndrei\n")
+    corpus = load_parallel_corpus(tmp_path, "en", "de")
+    assert corpus["train"]["en"] == ["one\rstill one", "two", "three"]
+    assert corpus["train"]["de"] == ["eins", "zwei", "drei"]
+
+
+def test_training_without_a_validation_split_says_what_that_means_once(mini_corpus, tmp_path, caplog):
+    from conftest import mini_run
+
+    from vaswani_transformer.training import train
+
+    corpus = shutil.copytree(mini_corpus, tmp_path / "corpus")
+    for lang in ("en", "de"):
+        (corpus / f"val.{lang}").unlink()
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.training"):
+        train(mini_run(corpus, tmp_path / "run", max_steps=3, save_steps=3, average_last=1))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.training"]
+    assert len(warnings) == 1 and "No validation split" in warnings[0] and "no best checkpoint" in warnings[0]

@@ -5,9 +5,10 @@ so a corpus of millions of sentence pairs is never held as Python objects; the b
 keeps only two integer arrays of lengths.
 """
 
+import codecs
+import logging
 import os
 import re
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -16,6 +17,8 @@ import datasets
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # Files of a local `datasets` folder (what `load_dataset(directory)` reads).
 DATASET_SUFFIXES = {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
@@ -47,29 +50,23 @@ def _read_aligned_files(source_file: Path, target_file: Path, source_lang: str, 
             raise FileNotFoundError(f"Parallel corpus file {path} does not exist; check the path and language codes.")
         if path.stat().st_size == 0:
             raise ValueError(f"Parallel corpus file {path} is empty; it needs one sentence per line.")
-    columns = []
-    for path, lang in ((source_file, source_lang), (target_file, target_lang)):
-        try:
-            table = datasets.load_dataset("text", data_files=str(path), split="train", keep_in_memory=False)
-        except datasets.exceptions.DatasetGenerationError:
-            # `datasets` reports a bad byte without the file or the line: find them, or re-raise its error.
-            deque(iter_lines(path), maxlen=0)
-            raise
-        columns.append(table.rename_column("text", lang))
-    if columns[0].num_rows != columns[1].num_rows:
+    # Read as `wc -l` counts lines (ending at a line feed only), not as `datasets`' text loader, which
+    # also ends them at a lone carriage return and would misalign the two files.
+    columns = {lang: list(iter_lines(path)) for path, lang in ((source_file, source_lang), (target_file, target_lang))}
+    if len(columns[source_lang]) != len(columns[target_lang]):
         raise ValueError(
             f"Parallel files must have one sentence per line, aligned by line, but {source_file} has "
-            f"{columns[0].num_rows} lines and {target_file} has {columns[1].num_rows}."
+            f"{len(columns[source_lang])} lines and {target_file} has {len(columns[target_lang])}."
         )
-    return datasets.concatenate_datasets(columns, axis=1)
+    return datasets.Dataset.from_dict(columns)
 
 
 def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) -> Iterator[str]:
     """The lines of a UTF-8 text file or binary stream, without line ends, one at a time.
 
     Lines end at a line feed only (a carriage return before it is dropped), as `wc -l` counts them;
-    a missing file is reported at once, but the file is opened only when the first line is asked
-    for, and closed after the last.
+    a UTF-8 byte-order mark at the start is removed, with one warning. A missing file is reported at
+    once, but the file is opened only when the first line is asked for, and closed after the last.
 
     Args:
         source: a path, or a binary stream such as `sys.stdin.buffer`.
@@ -95,6 +92,10 @@ def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> It
         return
     name = name or getattr(source, "name", "input")
     for number, raw in enumerate(source, start=1):
+        if number == 1 and raw.startswith(codecs.BOM_UTF8):
+            # A byte-order mark is no part of the first sentence (editors on Windows write one).
+            logger.warning("%s: removed the UTF-8 byte-order mark at its start.", name)
+            raw = raw[len(codecs.BOM_UTF8) :]
         try:
             yield raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as error:

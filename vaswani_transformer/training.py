@@ -8,6 +8,7 @@ checkpoints (§6.1), and writes a directory that `from_pretrained` loads.
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -28,6 +29,8 @@ from .modeling_vaswani import VaswaniForConditionalGeneration
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
 from .training_config import TrainingConfig
+
+logger = logging.getLogger(__name__)
 
 
 def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
@@ -252,7 +255,14 @@ class TrainingRun:
         model = VaswaniForConditionalGeneration(model_config)
         self.train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
         self.valid_batches = None
-        if "validation" in tokenized:
+        if "validation" not in tokenized:
+            logger.warning(
+                "No validation split (val.%s / val.%s): no validation loss or BLEU, and no best checkpoint kept; "
+                "the model averages the last checkpoints.",
+                config.source_lang,
+                config.target_lang,
+            )
+        else:
             self.valid_batches = _batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
             bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
             self.bleu_sources = list(bleu_split[config.source_lang])
