@@ -26,7 +26,7 @@ SENTENCE = "A man is riding a bicycle down the street."
 GERMAN = "Ein Mann fährt mit dem Fahrrad die Straße hinunter."
 TRANSLATOR_FILES = {
     "model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-    "modeling_vaswani.py", "configuration_vaswani.py",
+    "modeling_vaswani.py", "configuration_vaswani.py", "generation_vaswani.py", "ops_vaswani.py", "pipeline_vaswani.py",
 }  # fmt: skip
 
 
@@ -106,7 +106,7 @@ print(json.dumps({{
     assert loaded["pipeline"] == loaded["generate"] == loaded["local"], loaded
     # The weights and the pipeline code came over HTTP from the local Hub into the empty cache.
     downloaded = [r for r in hub.requests if r.startswith("GET /org/translator/resolve/")]
-    for name in ("model.safetensors", "tokenizer.json", "pipeline_translation.py"):
+    for name in ("model.safetensors", "tokenizer.json", "pipeline_vaswani.py"):
         assert any(r.endswith(f"/{name}") for r in downloaded), (name, downloaded)
     snapshots = tmp_path / "load" / "hub" / "models--org--translator" / "snapshots"
     assert [p.name for p in snapshots.glob("*/model.safetensors")], "model.safetensors not in the client's cache"

@@ -40,7 +40,7 @@ def test_trained_directory_holds_model_tokenizer_generation_config_and_code(trai
         "tokenizer_config.json",
         "modeling_vaswani.py",
         "configuration_vaswani.py",
-        "pipeline_translation.py",
+        "pipeline_vaswani.py",
         "README.md",
         "learning_curve.png",
     }

@@ -3,30 +3,20 @@
 import errno
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import pipeline_translation
-
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_card_template.md"
-
-# `pipeline("translation", model=..., trust_remote_code=True)` finds the class through this entry of
-# config.json (transformers 5 removed its own translation task).
-CUSTOM_PIPELINES = {
-    "translation": {"impl": "pipeline_translation.TranslationPipeline", "pt": ["AutoModelForSeq2SeqLM"]}
-}
 
 
 def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: str | Path) -> Path:
     """Write model (safetensors), config, generation config, tokenizer and the code to load them.
 
-    `save_pretrained` copies the modeling and configuration files (the classes are registered for
-    the Auto classes), so `trust_remote_code=True` loads the directory without this package; the
-    translation pipeline's file is copied beside them. The tokenizer is saved without the
+    The model's `save_pretrained` copies its code, the translation pipeline's included, so
+    `trust_remote_code=True` loads the directory without this package. The tokenizer is saved without the
     truncation and padding settings that its last call left in its fast backend.
 
     Args:
@@ -39,7 +29,6 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         `output_dir` as a `Path`.
     """
     output_dir = Path(output_dir)
-    model.config.custom_pipelines = CUSTOM_PIPELINES
     model.save_pretrained(output_dir)
     # Otherwise tokenizer.json records whatever the last call used (e.g. truncation at
     # --max-length + 1 from training, or nothing when `datasets` took the tokenized corpus from
@@ -49,7 +38,6 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         backend.no_truncation()
         backend.no_padding()
     tokenizer.save_pretrained(output_dir)
-    shutil.copy(pipeline_translation.__file__, output_dir / "pipeline_translation.py")
     return output_dir
 
 

@@ -34,6 +34,9 @@ from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
 from .ops_vaswani import Linear, label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy, residual_dropout
 
+# Saving copies a model file's relative imports, and `trust_remote_code` fetches them: the pipeline's too.
+from .pipeline_vaswani import TranslationPipeline
+
 # §3.5 Positional encoding -------------------------------------------------------------------------
 
 
@@ -682,6 +685,9 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         else:
             self.final_logits_bias = None
         self.generation_config = paper_generation_config(config)
+        # transformers 5 has no translation task: `pipeline("translation", trust_remote_code=True)` reads ours here.
+        pipeline = {"impl": f"pipeline_vaswani.{TranslationPipeline.__name__}", "pt": ["AutoModelForSeq2SeqLM"]}
+        config.custom_pipelines = getattr(config, "custom_pipelines", None) or {"translation": pipeline}
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

@@ -1,4 +1,4 @@
-"""A saved model without the package: trust_remote_code loads the copied code and pipeline."""
+"""A saved model without the package: trust_remote_code loads its copied code and pipeline (pipeline_vaswani.py)."""
 
 import json
 import os
@@ -13,7 +13,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from vaswani_transformer import VaswaniForConditionalGeneration
 
 # The modules `trust_remote_code` runs: the model's file and, through its relative imports, the rest.
-MODEL_CODE = {"configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py"}
+MODEL_CODE = {
+    "configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py", "pipeline_vaswani.py"
+}  # fmt: skip
 SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the snow."]
 
 WITHOUT_PACKAGE = """
@@ -39,8 +41,11 @@ def test_save_pretrained_copies_the_model_code_and_nothing_else(tmp_path):
 
 
 def test_a_fresh_environment_without_the_package_translates_like_the_package(trained_model_dir, tmp_path):
-    # A trained translator also carries the translation pipeline's code.
-    assert {path.name for path in trained_model_dir.glob("*.py")} == MODEL_CODE | {"pipeline_translation.py"}
+    assert {path.name for path in trained_model_dir.glob("*.py")} == MODEL_CODE
+    # A model re-saved by its own save_pretrained (as push_to_hub saves it) carries everything too.
+    saved = tmp_path / "resaved"
+    AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).save_pretrained(saved)
+    AutoTokenizer.from_pretrained(trained_model_dir).save_pretrained(saved)
     # A new virtual environment that sees the installed dependencies (torch, transformers, ...)
     # through a path file, but not this package: its editable install works through a .pth hook
     # of the base environment's site-packages, which a plain path entry does not run.
@@ -56,7 +61,7 @@ def test_a_fresh_environment_without_the_package_translates_like_the_package(tra
         pth.write("\n".join(sorted(dependencies)) + "\n")
 
     result = subprocess.run(
-        [python, "-c", WITHOUT_PACKAGE, str(trained_model_dir), json.dumps(SENTENCES)],
+        [python, "-c", WITHOUT_PACKAGE, str(saved), json.dumps(SENTENCES)],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
     )  # fmt: skip
