@@ -425,3 +425,40 @@ def test_training_without_a_validation_split_says_what_that_means_once(mini_corp
         train(mini_run(corpus, tmp_path / "run", max_steps=3, save_steps=3, average_last=1))
     warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.training"]
     assert len(warnings) == 1 and "No validation split" in warnings[0] and "no best checkpoint" in warnings[0]
+
+
+def test_push_without_a_reachable_hub_is_one_line(translator_dir, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a loopback port with nothing listening once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_TOKEN="hf_test", HF_HOME=str(tmp_path / "home"))
+    result = subprocess.run(
+        [sys.executable, "-m", "vaswani_transformer.cli", "push", str(translator_dir), "--repo-id", "org/x"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert_one_line_error(result.returncode, result.stderr, "could not reach the Hub", "HF_ENDPOINT")
+
+
+def test_the_documented_ctranslate2_snippet_loads_the_tokenizer_without_a_prompt(translator_dir):
+    import re
+    import subprocess
+    import sys
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text(encoding="utf-8")
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", docs, re.S) if "ctranslate2" in block)
+    lines = snippet.splitlines()
+    setup = [
+        line for line in lines[: next(i for i, line in enumerate(lines) if "AutoTokenizer.from_pretrained" in line) + 1]
+    ]
+    code = "\n".join(line for line in setup if "import ctranslate2" not in line)  # CTranslate2 is not needed here
+    code = code.replace("outputs/multi30k-en-de", str(translator_dir))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "custom code" not in result.stdout + result.stderr

@@ -5,6 +5,8 @@ Expected failures (bad paths, bad values) print one line on stderr and exit with
 """
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 from collections import deque
@@ -282,10 +284,20 @@ def _push(args: argparse.Namespace) -> None:
 
     from .hub import push_translator
 
+    # The connection errors of huggingface_hub's HTTP client (httpx2 or httpx, by version) are no OSError.
+    unreachable = tuple(
+        importlib.import_module(client).TransportError
+        for client in ("httpx2", "httpx")
+        if importlib.util.find_spec(client)
+    )
     try:
         print(push_translator(args.output_dir, args.repo_id, args.private, args.commit_message))
-    except HfHubHTTPError as error:  # authentication, permissions, network: one line, not a traceback
+    except HfHubHTTPError as error:  # authentication, permissions: one line, not a traceback
         raise OSError(f"the Hub refused the upload to {args.repo_id}: {error}") from error
+    except unreachable as error:
+        raise OSError(
+            f"could not reach the Hub to upload to {args.repo_id} ({error}); check the network, or HF_ENDPOINT"
+        ) from error
 
 
 def _average(args: argparse.Namespace) -> None:
