@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,11 +34,18 @@ from .training_config import TrainingConfig
 logger = logging.getLogger(__name__)
 
 
-def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
+def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> Callable[[int], float]:
     """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5) (§5.3, Eq. 3).
 
-    Returns a function of the 0-based optimizer step for `torch.optim.lr_scheduler.LambdaLR` with a
-    base learning rate of 1: it rises linearly for `warmup_steps` steps and then decays as 1/sqrt(step).
+    Args:
+        d_model: the model width (512 for base, 1024 for big).
+        warmup_steps: the linear warm-up, in optimizer steps (the paper: 4000); positive.
+        scale: a factor on the whole schedule (the paper: 1).
+
+    Returns:
+        A function of the 0-based optimizer step for `torch.optim.lr_scheduler.LambdaLR` with a base
+        learning rate of 1: it rises linearly for `warmup_steps` steps and then decays as 1/sqrt(step).
+        Calling it raises ZeroDivisionError if `warmup_steps` is 0 (`TrainingConfig` refuses that).
     """
 
     def learning_rate(step: int) -> float:
@@ -59,7 +67,11 @@ def avoid_cudnn_attention() -> None:
 
 
 class NonFiniteLossError(ValueError):
-    """The loss became NaN or infinite; the run stopped before updating the weights with it."""
+    """The loss of an optimizer step (§5.4, label-smoothed) became NaN or infinite.
+
+    Raised by `train` before the weights are updated with it, so the last checkpoint and the model
+    in memory are both good; `TrainingConfig.skip_nonfinite` skips such steps instead.
+    """
 
 
 def _prepare_tokenizer(config: TrainingConfig, corpus, resuming: bool) -> PreTrainedTokenizerBase:
@@ -108,13 +120,18 @@ def _micro_batches(loader: torch.utils.data.DataLoader, epoch: int, done: int):
 
 
 @torch.no_grad()
-def validation_loss(model, batches, accelerator: Accelerator) -> float:
-    """Label-smoothed loss per target token over the validation batches of every process (nats), dropout off.
+def validation_loss(model: VaswaniForConditionalGeneration, batches: Iterable[dict], accelerator: Accelerator) -> float:
+    """Label-smoothed loss per target token over the validation batches of every process, dropout off (§5.4).
 
     Args:
         model: the unwrapped model (no data-parallel wrapper, whose forward would synchronise).
-        batches: this process's validation batches (`labels` -100 on padding).
-        accelerator: for the device and the sum over processes.
+        batches: this process's validation batches: `input_ids`, `attention_mask` and `labels` of shape
+            (sentences, tokens), `labels` -100 on padding.
+        accelerator: for the device and the sum over processes (every process must call this).
+
+    Returns:
+        The loss in nats per target token (0.0 when there are no target tokens). The model is left in
+        training mode.
     """
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # summed loss, target tokens
@@ -127,8 +144,23 @@ def validation_loss(model, batches, accelerator: Accelerator) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def validation_bleu(model, tokenizer, sources: list[str], references: list[str]) -> float:
-    """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding)."""
+def validation_bleu(
+    model: VaswaniForConditionalGeneration,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[str],
+    references: list[str],
+) -> float:
+    """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding).
+
+    Args:
+        model: the unwrapped model; it translates 64 sentences per `generate` call with its generation
+            config (beam 4, length penalty 0.6), and is left in training mode.
+        tokenizer: the run's tokenizer.
+        sources, references: aligned sentences, one string each.
+
+    Returns:
+        The corpus BLEU score, 0 to 100, rounded to two decimals.
+    """
     from .translation import corpus_bleu, translate
 
     model.eval()
@@ -178,6 +210,7 @@ def train(config: TrainingConfig) -> Path:
     Raises:
         ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output
             directory holds a run's checkpoints but `resume` is off.
+        OSError: the output directory cannot be written.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
@@ -192,12 +225,21 @@ def train(config: TrainingConfig) -> Path:
 
 
 class TrainingRun:
-    """The state of one `train` run and its steps: set-up, optimizer step, validation, checkpoint, finish.
+    """The state of one `train` run and its steps: set-up, optimizer step, validation, checkpoint, finish (§5).
+
+    Everything a run changes lives here (the progress in `state`, a dict saved with every checkpoint),
+    so that two runs in one process share nothing but the process-wide random number generators.
 
     Args:
         config: the run's settings. Creating the run sets everything up: the output directory, the
-            corpus and tokenizer, the model, Adam with the §5.3 schedule, and the state of the
+            corpus and tokenizer (§5.1), the model, Adam with the §5.3 schedule, and the state of the
             checkpoint it resumes from, if any.
+
+    Raises:
+        ValueError, FileNotFoundError: the corpus cannot be read, or the output directory holds a
+            run's checkpoints and `config.resume` is off.
+        OSError: the output directory is not writable.
+        checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """
 
     def __init__(self, config: TrainingConfig) -> None:
@@ -319,6 +361,11 @@ class TrainingRun:
     def optimizer_step(self) -> torch.Tensor | None:
         """One update from `update_freq` batches per process (§5.1, §5.3); its loss, or None if it was skipped.
 
+        Returns:
+            The label-smoothed loss of the step (§5.4), a float64 scalar tensor in nats per target token,
+            averaged over every process's batches; None for a non-finite loss skipped by `skip_nonfinite`
+            (the weights and the step count are then unchanged, the batches are consumed).
+
         Raises:
             NonFiniteLossError: the loss is NaN or infinite and `skip_nonfinite` is off.
             MemoryError: a batch did not fit on the device.
@@ -377,7 +424,15 @@ class TrainingRun:
         )
 
     def after_step(self, step_loss: torch.Tensor) -> bool:
-        """Log, validate and checkpoint as the step number and the clock say; True when the run is over."""
+        """Log, validate and checkpoint as the step number and the clock say; True when the run is over.
+
+        Args:
+            step_loss: the loss `optimizer_step` returned (nats per target token), for the progress bar.
+
+        Returns:
+            True once `max_steps` steps are done, `max_minutes` minutes have passed (a deadline the main
+            process reads for all), or early stopping's patience ran out.
+        """
         config, step = self.config, self.state["step"]
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
@@ -408,7 +463,16 @@ class TrainingRun:
         return done
 
     def validate(self, record: dict) -> tuple[bool, bool]:
-        """Validation loss (and BLEU) into `record`; whether it is the best so far, and whether patience ran out."""
+        """Validation loss (and BLEU, §6.1) into `record`; whether it is the best so far, whether patience ran out.
+
+        Args:
+            record: the step's log record (with its `step`); gains `validation_loss` (nats per target token)
+                and, with `bleu_sentences`, `validation_bleu` (0 to 100, the same on every process).
+
+        Returns:
+            (improved, patience_over): a better BLEU (or loss, without BLEU) than any before, and whether
+            `early_stopping_patience` validations in a row have not improved.
+        """
         accelerator, state = self.accelerator, self.state
         record["validation_loss"] = score = validation_loss(self.unwrapped, self.valid_batches, accelerator)
         if self.config.bleu_sentences:
@@ -442,7 +506,18 @@ class TrainingRun:
         accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=record["step"])
 
     def save_checkpoint(self) -> Path:
-        """Every process writes its RNG state, the main process the rest; the checkpoint appears atomically."""
+        """Save the state of the run as `checkpoints/step-N`, to resume exactly or to average (§6.1).
+
+        Every process writes its RNG state, the main process the rest (weights, optimizer, schedule, loss
+        scaler and `state`); the checkpoint appears atomically, and only the last `keep_checkpoints` and the
+        best one stay. Every process must call this.
+
+        Returns:
+            The checkpoint's directory.
+
+        Raises:
+            OSError: writing failed (the incomplete checkpoint is hidden and removed by the next run).
+        """
         accelerator, state = self.accelerator, self.state
         state.update(elapsed_seconds=time.monotonic() - self.started, interval=self.interval.tolist())
         directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
@@ -472,7 +547,14 @@ class TrainingRun:
         ckpt.restore_rng_state(path, self.accelerator.process_index)
 
     def finish(self) -> Path:
-        """Average the last checkpoints into the model (§6.1), save it with its card and curve; the directory."""
+        """Average the last `average_last` checkpoints into the model (§6.1) and save it with its card and curve.
+
+        Returns:
+            The output directory, loadable with `from_pretrained`.
+
+        Raises:
+            ValueError: no checkpoint is left to average, or their tensors differ.
+        """
         self.progress.close()
         accelerator = self.accelerator
         if accelerator.is_main_process:
