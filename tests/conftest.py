@@ -104,10 +104,24 @@ def mini_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
 
 
 def cli_arguments(config: TrainingConfig) -> list[str]:
-    arguments = ["train", "--data-dir", config.data, "--source-lang", "en", "--target-lang", "de"]
-    arguments += ["--output-dir", config.output_dir, "--preset", config.preset, "--vocab-size", str(config.vocab_size)]
-    for key, value in config.model_overrides.items():
-        arguments += ["--model-option", f"{key}={value}"]
-    for option in ("max_tokens", "warmup_steps", "max_steps", "log_steps", "eval_steps", "save_steps", "average_last"):
-        arguments += [f"--{option.replace('_', '-')}", str(getattr(config, option))]
+    """`vaswani-transformer train` arguments for `config` (corpus: a `data` directory), generated from its fields.
+
+    The required options and every option whose value differs from its default, under the flag that
+    `cli.build_parser` gives the field.
+    """
+    from dataclasses import MISSING, fields
+
+    arguments = ["train", "--data-dir", config.data]
+    for option in fields(TrainingConfig):
+        value = getattr(config, option.name)
+        default = option.default_factory() if option.default_factory is not MISSING else option.default
+        if "help" not in option.metadata or value == default:  # no help: `data` and `files`, the corpus
+            continue
+        flag = option.metadata.get("flag", "--" + option.name.replace("_", "-"))
+        if isinstance(value, dict):  # KEY=VALUE, the value as JSON (the option reads it so)
+            arguments += [item for key, v in value.items() for item in (flag, f"{key}={json.dumps(v)}")]
+        elif isinstance(value, list):
+            arguments += [item for v in value for item in (flag, str(v))]
+        else:
+            arguments += [flag] if value is True else [flag, str(value)]
     return arguments

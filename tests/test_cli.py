@@ -1,11 +1,15 @@
 """The command line, end to end on a model trained on Multi30k, and loading in a fresh process."""
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
+from conftest import cli_arguments, mini_run
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
@@ -14,38 +18,90 @@ from vaswani_transformer.training_config import TrainingConfig
 SENTENCE = "A man is riding a bicycle down the street."
 
 
+# TrainingConfig fields that are no option of their own, and the options that fill them.
+CORPUS_FIELDS = {"data": ("--data-dir", "--dataset"), "files": ("--train-files", "--validation-files")}
+REQUIRED = ["--data-dir", "corpus", "--source-lang", "en", "--target-lang", "de", "--output-dir", "out"]
+
+
+def train_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
 def test_train_options_are_the_training_config_fields_with_their_defaults():
-    required = ["--data-dir", "corpus", "--source-lang", "en", "--target-lang", "de", "--output-dir", "out"]
-    args = build_parser().parse_args(["train", *required, "--max-steps", "7"])
+    actions = {action.dest: action for action in train_parser()._actions}
+    flags = {flag for action in actions.values() for flag in action.option_strings}
+    args = build_parser().parse_args(["train", *REQUIRED, "--max-steps", "7"])
     defaults = TrainingConfig(data="corpus", source_lang="en", target_lang="de", output_dir="out", max_steps=7)
-    corpus_fields = {"data", "files"}  # from --data-dir, --dataset, --train-files and --validation-files
-    for name, default in vars(defaults).items():
-        if name in corpus_fields:
+    for option in fields(TrainingConfig):
+        name, default = option.name, getattr(defaults, option.name)
+        if name in CORPUS_FIELDS:
+            assert set(CORPUS_FIELDS[name]) <= flags, f"TrainingConfig.{name} is not reachable from `train`"
             continue
-        assert name in vars(args), f"TrainingConfig.{name} has no option of `train`"
+        assert name in actions, f"TrainingConfig.{name} has no option of `train`"
         parsed = dict(getattr(args, name)) if name == "model_overrides" else getattr(args, name)
         # keep_checkpoints is filled in after parsing (it follows average_last when unset).
         expected = None if name == "keep_checkpoints" else default
         assert parsed == expected, f"--{name.replace('_', '-')} defaults to {parsed!r}, the config to {expected!r}"
-    # And the help states the defaults it applies.
-    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    assert "(default: base)" in help_text and "(default: 37000)" in help_text
+        # The help states the default the option applies, and no other.
+        stated = re.search(r"\(default: ([^)]*)\)$", actions[name].help)
+        assert stated is None or stated.group(1) == str(expected), (name, actions[name].help)
+        assert actions[name].help == option.metadata["help"] + (f" (default: {expected})" if stated else "")
+    help_text = train_parser().format_help()
+    assert "(default: base)" in help_text and "(default: 37000)" in help_text and "(default: 4000)" in help_text
+
+
+def test_train_needs_one_of_max_steps_and_max_minutes_and_its_help_says_so(capsys):
+    actions = {action.dest: action for action in train_parser()._actions}
+    assert "--max-minutes" in actions["max_steps"].help and "--max-steps" in actions["max_minutes"].help
+    assert "(default:" not in actions["max_steps"].help + actions["max_minutes"].help
+    assert main(["train", *REQUIRED]) == 2
+    error = capsys.readouterr().err
+    assert "--max-steps" in error and "--max-minutes" in error and len(error.strip().splitlines()) == 1
 
 
 def test_train_options_reach_the_training_config(monkeypatch, tmp_path):
     import vaswani_transformer.training as training
 
-    seen = {}
-    monkeypatch.setattr(training, "train", lambda config: seen.setdefault("config", config) and tmp_path)
+    seen = []
+    monkeypatch.setattr(training, "train", lambda config: seen.append(config) or tmp_path)
+    required = ["--source-lang", "en", "--target-lang", "de", "--output-dir", str(tmp_path)]
     status = main(
-        ["train", "--data-dir", "d", "--source-lang", "en", "--target-lang", "de", "--output-dir", str(tmp_path),
-         "--max-minutes", "1.5", "--model-option", "dropout=0.2", "--report-to", "tensorboard", "--resume",
-         "--preset", "small", "--vocab-size", "8000"]
+        ["train", "--data-dir", "d", *required, "--max-minutes", "1.5", "--model-option", "dropout=0.2",
+         "--model-option", "position_embedding_type=learned", "--report-to", "tensorboard", "--report-to", "wandb",
+         "--resume", "--preset", "small", "--vocab-size", "8000", "--skip-nonfinite", "--mixed-precision", "bf16"]
     )  # fmt: skip
-    config = seen["config"]
+    config = seen[-1]
     assert status == 0 and config.data == "d" and config.max_minutes == 1.5 and config.max_steps is None
-    assert config.model_overrides == {"dropout": 0.2} and config.report_to == ["tensorboard"] and config.resume
-    assert (config.preset, config.vocab_size) == ("small", 8000)
+    assert config.model_overrides == {"dropout": 0.2, "position_embedding_type": "learned"}
+    assert config.report_to == ["tensorboard", "wandb"] and config.resume and config.skip_nonfinite
+    assert (config.preset, config.vocab_size, config.mixed_precision) == ("small", 8000, "bf16")
+    # The corpus options fill `data` and `files`.
+    files = ["--train-files", "a.en", "a.de", "--validation-files", "v.en", "v.de"]
+    assert main(["train", *files, *required, "--max-steps", "1"]) == 0
+    assert seen[-1].data == "" and seen[-1].files == {"train": ("a.en", "a.de"), "validation": ("v.en", "v.de")}
+    assert main(["train", "--dataset", "wmt14", "--dataset-config", "de-en", *required, "--max-steps", "1"]) == 0
+    assert (seen[-1].data, seen[-1].dataset_config, seen[-1].files) == ("wmt14", "de-en", {})
+
+
+def test_every_training_config_round_trips_through_the_command_line(monkeypatch, tmp_path):
+    import vaswani_transformer.training as training
+
+    seen = []
+    monkeypatch.setattr(training, "train", lambda config: seen.append(config) or tmp_path)
+    overrides = {"dropout": 0.0, "position_embedding_type": "learned", "d_model": 32}
+    config = mini_run(
+        tmp_path, tmp_path / "out", preset="small", model_overrides=overrides, report_to=["tensorboard"],
+        skip_nonfinite=True, resume=True, early_stopping_patience=3, tokenizer="tok", save_minutes=0.5, seed=7,
+    )  # fmt: skip
+    assert main(cli_arguments(config)) == 0
+    assert seen == [config]
+
+
+def test_train_refuses_no_corpus_or_two_in_one_line(capsys):
+    for corpus in ([], ["--data-dir", "d", "--dataset", "wmt14"]):
+        assert main(["train", *corpus, *REQUIRED[2:], "--max-steps", "1"]) == 2
+        error = capsys.readouterr().err
+        assert "--data-dir" in error and "--dataset" in error and len(error.strip().splitlines()) == 1
 
 
 def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir, multi30k_dir, tmp_path, capsys):

@@ -80,7 +80,7 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
         kind = get_origin(kind) or kind  # list[str] -> list
         if default is MISSING:
             settings["required"] = True
-        elif default not in (None, False) and not isinstance(default, list | dict):
+        elif default is not None and not isinstance(default, bool | list | dict):  # 0 is a default to state
             settings["help"] += f" (default: {default})"
         if kind is bool:
             settings["action"] = "store_true"
@@ -92,7 +92,11 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `vaswani-transformer` and its subcommands."""
+    """The argument parser of `vaswani-transformer` and its subcommands.
+
+    The options of `train` are generated from the fields of `TrainingConfig` (their help, type and
+    default); the other subcommands' options are written here.
+    """
     parser = argparse.ArgumentParser(
         prog="vaswani-transformer",
         description="Train, evaluate and run the Transformer of 'Attention Is All You Need'.",
@@ -322,7 +326,16 @@ def _export_ctranslate2(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `vaswani-transformer` console script; returns the exit status."""
+    """Entry point of the `vaswani-transformer` console script.
+
+    Args:
+        argv: the arguments after the program name; default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0, or 2 after one line on stderr for an expected failure (a ValueError,
+        OSError or MemoryError: a bad path or value, a full device). Invalid options exit with
+        status 2 through argparse (SystemExit).
+    """
     args = build_parser().parse_args(argv)
     command = {
         "train": _train,
