@@ -1,4 +1,4 @@
-"""The same seed on CPU gives bit-identical weights after training (README, "Determinism")."""
+"""The same seed on CPU gives bit-identical weights after training (docs/robustness.md, "Determinism")."""
 
 from pathlib import Path
 
