@@ -120,6 +120,8 @@ def cli_arguments(config: TrainingConfig) -> list[str]:
         flag = option.metadata.get("flag", "--" + option.name.replace("_", "-"))
         if isinstance(value, dict):  # KEY=VALUE, the value as JSON (the option reads it so)
             arguments += [item for key, v in value.items() for item in (flag, f"{key}={json.dumps(v)}")]
+        elif isinstance(value, list) and "nargs" in option.metadata:  # one flag, then the values
+            arguments += [flag, *map(str, value)]
         elif isinstance(value, list):
             arguments += [item for v in value for item in (flag, str(v))]
         else:

@@ -92,6 +92,7 @@ def test_every_training_config_round_trips_through_the_command_line(monkeypatch,
     config = mini_run(
         tmp_path, tmp_path / "out", preset="small", model_overrides=overrides, report_to=["tensorboard"],
         skip_nonfinite=True, resume=True, early_stopping_patience=3, tokenizer="tok", save_minutes=0.5, seed=7,
+        choose_num_beams=[1, 4], choose_length_penalty=[0.6, 1.2],
     )  # fmt: skip
     assert main(cli_arguments(config)) == 0
     assert seen == [config]
@@ -197,3 +198,12 @@ def test_translate_draws_the_attention_of_each_sentence_on_request(trained_model
     translations = capsys.readouterr().out.splitlines()
     assert len(translations) == 3 and translations[0] and translations[1] == "" and translations[2]
     assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["sentence-1.png", "sentence-3.png"]
+
+
+def test_decoding_choices_follow_one_flag_and_a_later_flag_replaces_them():
+    # The main job passes the Multi30k recipe's options first and its own after them.
+    args = build_parser().parse_args(
+        ["train", *REQUIRED, "--max-steps", "1", "--choose-length-penalty", "0.6", "1.0", "1.4"]
+        + ["--choose-num-beams", "4", "6", "--choose-num-beams", "4"]
+    )
+    assert args.choose_length_penalty == [0.6, 1.0, 1.4] and args.choose_num_beams == [4]

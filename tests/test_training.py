@@ -103,3 +103,25 @@ def test_validation_bleu_drives_best_checkpoint_early_stopping_and_tensorboard(m
     state = ckpt.verify_checkpoint(ckpt.list_checkpoints(output / "checkpoints")[-1], world_size=1)
     assert state["best_step"] == 2 and (output / "checkpoints" / "step-2").is_dir()
     assert list((output / "runs").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus, tmp_path):
+    from vaswani_transformer.training import train
+    from vaswani_transformer.translation import corpus_bleu, load_translator, translate
+
+    config = mini_run(
+        mini_corpus, tmp_path / "run", max_steps=30, choose_num_beams=[1, 3], choose_length_penalty=[0.0, 2.0]
+    )
+    output = train(config)
+    choice = json.loads((output / "training_config.json").read_text())["decoding_choice"]
+    tried = choice["tried"]
+    assert [(t["num_beams"], t["length_penalty"]) for t in tried] == [(1, None), (3, 0.0), (3, 2.0)]
+    assert choice["bleu"] == max(t["bleu"] for t in tried) and choice["sentences"] == 100
+    generation = json.loads((output / "generation_config.json").read_text())
+    assert generation["num_beams"] == choice["num_beams"]
+    assert generation.get("length_penalty", 1.0) == (choice["length_penalty"] or 1.0)
+    # The recorded score is the saved model's, with its saved decoding, on the validation set.
+    model, tokenizer = load_translator(str(output), "cpu")
+    sources = (mini_corpus / "val.en").read_text(encoding="utf-8").splitlines()
+    references = (mini_corpus / "val.de").read_text(encoding="utf-8").splitlines()
+    assert round(corpus_bleu(translate(model, tokenizer, sources), references)["score"], 2) == choice["bleu"]

@@ -84,6 +84,8 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
             settings["help"] += f" (default: {default})"
         if kind is bool:
             settings["action"] = "store_true"
+        elif "nargs" in settings:  # a list after one flag (--choose-num-beams 4 6); a later flag replaces it
+            settings.update(type=get_args(option.type)[0], default=[])
         elif kind in (list, dict):  # repeatable; a dict from KEY=VALUE pairs
             settings.update(action="append", default=[], type=_model_option if kind is dict else str)
         else:

@@ -306,9 +306,8 @@ class TrainingRun:
             )
         else:
             self.valid_batches = _batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
-            bleu_split = corpus["validation"].select(range(min(config.bleu_sentences, len(corpus["validation"]))))
-            self.bleu_sources = list(bleu_split[config.source_lang])
-            self.bleu_references = list(bleu_split[config.target_lang])
+            self.validation_sources = list(corpus["validation"][config.source_lang])
+            self.validation_references = list(corpus["validation"][config.target_lang])
         return model
 
     def _prepare(self, model: VaswaniForConditionalGeneration) -> None:
@@ -478,8 +477,12 @@ class TrainingRun:
         if self.config.bleu_sentences:
             bleu = 0.0
             if accelerator.is_main_process:
-                bleu = validation_bleu(self.unwrapped, self.tokenizer, self.bleu_sources, self.bleu_references)
-            record["validation_bleu"] = bleu = float(_broadcast(accelerator, torch.tensor([bleu]))[0])
+                n = self.config.bleu_sentences
+                sources, references = self.validation_sources[:n], self.validation_references[:n]
+                bleu = validation_bleu(self.unwrapped, self.tokenizer, sources, references)
+            record["validation_bleu"] = bleu = float(
+                _broadcast(accelerator, torch.tensor([bleu], dtype=torch.float64))[0]
+            )
             score = -bleu
         improved = state["best_score"] is None or score < state["best_score"]
         if improved:  # the best model is kept as a checkpoint, whatever --save-steps says
@@ -547,7 +550,8 @@ class TrainingRun:
         ckpt.restore_rng_state(path, self.accelerator.process_index)
 
     def finish(self) -> Path:
-        """Average the last `average_last` checkpoints into the model (§6.1) and save it with its card and curve.
+        """Average the last `average_last` checkpoints into the model (§6.1), choose its decoding on the validation
+        set when asked (`choose_num_beams`, `choose_length_penalty`), and save it with its card and curve.
 
         Returns:
             The output directory, loadable with `from_pretrained`.
@@ -560,6 +564,7 @@ class TrainingRun:
         if accelerator.is_main_process:
             last = ckpt.list_checkpoints(self.checkpoints_dir)[-self.config.average_last :]
             ckpt.load_model_state(self.unwrapped, ckpt.average_checkpoints(last))
+            self._choose_decoding()
             save_translator(self.unwrapped, self.tokenizer, self.output_dir)
             write_model_card(self.output_dir)
             try:
@@ -569,6 +574,36 @@ class TrainingRun:
         accelerator.wait_for_everyone()
         accelerator.end_training()  # closes the trackers and the process group
         return self.output_dir
+
+    def _choose_decoding(self) -> None:
+        # §6.1's beam size and length penalty, chosen on the development set: the best pair becomes the model's
+        # generation config, and every pair tried is recorded in training_config.json.
+        config, generation = self.config, self.unwrapped.generation_config
+        if not (config.choose_num_beams or config.choose_length_penalty):
+            return
+        if self.valid_batches is None:
+            logger.warning("No validation split: the decoding stays the paper's (beam 4, length penalty 0.6).")
+            return
+        from .translation import choose_decoding
+
+        self.unwrapped.eval()
+        choice = choose_decoding(
+            self.unwrapped,
+            self.tokenizer,
+            self.validation_sources,
+            self.validation_references,
+            config.choose_num_beams or [generation.num_beams],
+            config.choose_length_penalty or [float(generation.length_penalty)],
+        )
+        generation.num_beams = choice["num_beams"]
+        if choice["length_penalty"] is None:  # greedy: transformers refuses to save beam-search settings with it
+            generation.length_penalty, generation.early_stopping = 1.0, False
+        else:
+            generation.length_penalty = choice["length_penalty"]
+        self.accelerator.print(json.dumps({"decoding_choice": choice}))
+        path = self.output_dir / "training_config.json"
+        saved = json.loads(path.read_text())
+        path.write_text(json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
 
 
 def _broadcast(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:

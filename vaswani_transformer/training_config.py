@@ -98,6 +98,22 @@ class TrainingConfig:
         group="checkpoints and faults",
     )
     average_last: int = option(5, help="average this many last checkpoints into the model (§6.1: 5 base, 20 big)")
+    choose_num_beams: list[int] = option(
+        [],
+        help="after averaging, choose the beam size among these by BLEU on the whole validation set, as §6.1 chose 4 "
+        "(with --choose-length-penalty; none: 4)",
+        group="decoding",
+        nargs="+",
+        metavar="N",
+    )
+    choose_length_penalty: list[float] = option(
+        [],
+        help="after averaging, choose the GNMT length penalty alpha among these by BLEU on the whole validation set, "
+        "as §6.1 chose 0.6 (with --choose-num-beams; none: 0.6)",
+        group="decoding",
+        nargs="+",
+        metavar="ALPHA",
+    )
     resume: bool = option(
         False,
         help="continue the run saved in OUTPUT_DIR/checkpoints where its last checkpoint left it "
@@ -134,6 +150,8 @@ class TrainingConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if any(beams < 1 for beams in self.choose_num_beams):
+            raise ValueError(f"choose_num_beams must be at least 1 (1 is greedy search), got {self.choose_num_beams}.")
         if self.keep_checkpoints is None:
             self.keep_checkpoints = self.average_last
         if self.keep_checkpoints < self.average_last:

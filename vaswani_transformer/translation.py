@@ -2,7 +2,7 @@
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import evaluate
@@ -264,3 +264,50 @@ def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = 
     return metric.compute(
         predictions=hypotheses, references=[[r] for r in references], lowercase=lowercase, tokenize=tokenize
     )
+
+
+def choose_decoding(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[str],
+    references: list[str],
+    num_beams: Sequence[int],
+    length_penalties: Sequence[float],
+    batch_size: int = 64,
+) -> dict:
+    """Choose the beam size and length penalty by BLEU on a development set, as §6.1 chose 4 and 0.6.
+
+    "We used beam search with a beam size of 4 and length penalty alpha = 0.6. These hyperparameters
+    were chosen after experimentation on the development set." Every pair of `num_beams` x
+    `length_penalties` translates `sources` once (greedy search, a beam of 1, once with no penalty);
+    the pair with the highest sacreBLEU (cased, 13a) wins, the earlier pair on a tie. The model's
+    generation config is left as it was.
+
+    Args:
+        model, tokenizer: from `load_translator`, or a model being trained (in eval mode).
+        sources, references: the development set, aligned, one sentence each (never the test set).
+        num_beams: beam sizes to try, each at least 1.
+        length_penalties: GNMT length-penalty alphas to try (§6.1; the model's `length_penalty_type`).
+        batch_size: sentences per `generate()` call.
+
+    Returns:
+        `{"num_beams": int, "length_penalty": float or None (greedy), "bleu": float, "sentences": int, "tried":
+        [{"num_beams", "length_penalty", "bleu"}, ...]}`, BLEU 0 to 100, rounded to two decimals.
+
+    Raises:
+        ValueError: an empty list of beam sizes or penalties, a beam size below 1, or unaligned or empty sentences.
+    """
+    if not num_beams or not length_penalties:
+        raise ValueError("Give at least one beam size and one length penalty to choose from.")
+    if min(num_beams) < 1:
+        raise ValueError(f"Beam sizes must be at least 1 (1 is greedy search), got {list(num_beams)}.")
+    tried = []
+    for beams in num_beams:
+        # Greedy search (1 beam) has no length penalty: it is tried once, recorded with None.
+        for alpha in length_penalties if beams > 1 else [None]:
+            penalty = {} if alpha is None else {"length_penalty": alpha}
+            hypotheses = translate(model, tokenizer, sources, batch_size, num_beams=beams, **penalty)
+            bleu = round(corpus_bleu(hypotheses, references)["score"], 2)
+            tried.append({"num_beams": beams, "length_penalty": alpha, "bleu": bleu})
+    best = max(tried, key=lambda t: t["bleu"])  # max keeps the first of equal scores
+    return {**best, "sentences": len(sources), "tried": tried}
