@@ -28,6 +28,10 @@ def test_a_short_training_run_on_multi30k_lowers_the_validation_loss(trained_mod
     assert losses[-1] < losses[0] - 0.5, losses
     saved = json.loads((trained_model_dir / "training_config.json").read_text())
     assert saved["adam_beta2"] == 0.98 and saved["adam_epsilon"] == 1e-9
+    # Each record says when it was written and how fast the steps before it went.
+    minutes = [record["minutes"] for record in log]
+    assert minutes == sorted(minutes) and minutes[0] > 0
+    assert all(record["target_tokens_per_second"] > 0 for record in log)
 
 
 def test_trained_directory_holds_model_tokenizer_generation_config_and_code(trained_model_dir):

@@ -203,7 +203,8 @@ def train(config: TrainingConfig) -> Path:
 
     Returns:
         The output directory, holding `config.json`, `model.safetensors`, `generation_config.json`,
-        the tokenizer files, `training_log.jsonl` (one JSON line per log or validation step),
+        the tokenizer files, `training_log.jsonl` (one JSON line per log or validation step, with
+        the minutes of training so far and the target tokens per second since the line before),
         `README.md` (model card), `learning_curve.png` and `checkpoints/` (the last
         `keep_checkpoints` and the best one).
 
@@ -294,6 +295,8 @@ class TrainingRun:
             decoder_start_token_id=tokenizer.bos_token_id,
             **config.model_overrides,
         )
+        if accelerator.is_main_process and resume_from is None:
+            model_config.save_pretrained(self.output_dir)  # `average` builds the model from it, before the run ends
         model = VaswaniForConditionalGeneration(model_config)
         self.train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
         self.valid_batches = None
@@ -347,6 +350,7 @@ class TrainingRun:
         if config.report_to:
             accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
         self.started = time.monotonic() - self.state["elapsed_seconds"]
+        self.interval_started = time.monotonic()
         self.last_save = time.monotonic()
         self.progress = tqdm(
             total=config.max_steps, initial=self.state["step"], desc="Training", unit="step",
@@ -445,12 +449,16 @@ class TrainingRun:
         done = step >= self.max_steps or out_of_time
         record = {}
         if step % config.log_steps == 0 or step % config.eval_steps == 0 or done:
+            now = time.monotonic()
             record = {
                 "step": step,
                 "epoch": self.state["epoch"],
                 "train_loss": float(self.interval[0] / self.interval[1]),
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                "minutes": round((now - self.started) / 60, 3),
+                # Over the steps since the last record, on all processes; validation and checkpoints excluded.
+                "target_tokens_per_second": round(float(self.interval[1]) / max(now - self.interval_started, 1e-9)),
             }
-            record["learning_rate"] = self.scheduler.get_last_lr()[0]
             self.interval.zero_()
         if self.valid_batches is not None and (step % config.eval_steps == 0 or done):
             improved, patience_over = self.validate(record)
@@ -459,6 +467,8 @@ class TrainingRun:
             self._log(record, done)
         if step % config.save_steps == 0 or save_due or done:
             self.save_checkpoint()
+        if record:
+            self.interval_started = time.monotonic()
         return done
 
     def validate(self, record: dict) -> tuple[bool, bool]:
@@ -626,7 +636,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         The directory written, loadable with `from_pretrained`.
 
     Raises:
-        ValueError: `last` is not positive, or the run has fewer than `last` checkpoints (says how many).
+        ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
+            it holds no config.json.
         checkpoints.CheckpointError: one of them is damaged.
     """
     run_dir = Path(run_dir)
@@ -639,6 +650,11 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
     world_size = json.loads((chosen[-1] / ckpt.STATE_NAME).read_text()).get("world_size", 1)
     for path in chosen:
         ckpt.verify_checkpoint(path, world_size)
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(
+            f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "
+            "copy the config.json of a model trained with the same settings into it."
+        )
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
     ckpt.load_model_state(model, ckpt.average_checkpoints(chosen))
