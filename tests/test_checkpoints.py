@@ -63,6 +63,10 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mi
     process.wait()
     assert process.returncode == -signal.SIGKILL, f"the run ended before it was killed (after step {kill_after})"
     assert not (tmp_path / "killed" / "model.safetensors").exists()
+    # A run that never finished can still be averaged: its config.json was written when it started.
+    assert main(["average", str(tmp_path / "killed"), "--last", "1", "--output-dir", str(tmp_path / "avg")]) == 0
+    averaged, last = weights(tmp_path / "avg"), ckpt.load_weights(ckpt.list_checkpoints(checkpoints)[-1])
+    assert_bitwise_equal(averaged, {name: last[name] for name in averaged})
 
     resumed = train(mini_run(mini_corpus, tmp_path / "killed", resume=True))
     assert_bitwise_equal(weights(resumed), weights(uninterrupted))

@@ -64,6 +64,7 @@ def test_training_writes_a_model_card_with_hub_metadata_and_the_recipe(trained_m
     assert data.library_name == "transformers" and data.license == "apache-2.0"
     assert data.datasets == ["multi30k"] and data.metrics == ["sacrebleu"]
     assert "## Intended use" in card.text and "## Limitations" in card.text
+    assert "beam size 4, length penalty ((5 + |Y|) / 6)^0.6 (§6.1), at most input length + 50 tokens" in card.text
     log = read_log(trained_model_dir)
     assert f"{log[-1]['step']:,} steps" in card.text and "label smoothing 0.1" in card.text
 
@@ -129,3 +130,6 @@ def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus
     sources = (mini_corpus / "val.en").read_text(encoding="utf-8").splitlines()
     references = (mini_corpus / "val.de").read_text(encoding="utf-8").splitlines()
     assert round(corpus_bleu(translate(model, tokenizer, sources), references)["score"], 2) == choice["bleu"]
+    assert f"the best of 3 settings by sacreBLEU on 100 validation sentences ({choice['bleu']})" in (
+        output / "README.md"
+    ).read_text()

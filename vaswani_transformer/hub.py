@@ -119,7 +119,7 @@ def push_translator(
         repo_id=repo_id,
         folder_path=output_dir,
         commit_message=commit_message,
-        ignore_patterns=["checkpoints/*", "*.tmp"],
+        ignore_patterns=["checkpoints/*", "ctranslate2/*", "*.tmp"],
     )
     return commit.commit_url
 
@@ -181,6 +181,7 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
             f"{config['vocab_size']:,}-token shared BPE vocabulary"
         ),
         recipe=_recipe(training, _last_log_line(model_dir / "training_log.jsonl"), config),
+        decoding=_decoding(_read_json(model_dir / "generation_config.json")),
         eval_results=results,
     )
     card.save(card_path)
@@ -203,6 +204,21 @@ def _dataset_name(data: str | None) -> str | None:
     return Path(data).name if Path(data).exists() else data
 
 
+def _decoding(generation: dict) -> str:
+    # The search the saved generation config asks for, in the paper's terms (§6.1).
+    beams = generation.get("num_beams", 1)
+    if beams == 1:
+        search = "greedy search"
+    elif generation.get("length_penalty_type") == "gnmt":
+        search = f"beam size {beams}, length penalty ((5 + |Y|) / 6)^{generation.get('length_penalty', 1.0)} (§6.1)"
+    else:
+        search = f"beam size {beams}, length penalty |Y|^{generation.get('length_penalty', 1.0)}"
+    a, b = generation.get("max_length_a"), generation.get("max_length_b")
+    if a == 1.0 and b is not None:
+        search += f", at most input length + {b} tokens"
+    return search
+
+
 def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str]]:
     if not training:
         return [("Training", "not recorded (no training_config.json)")]
@@ -223,6 +239,16 @@ def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str
         ("Precision", training["mixed_precision"]),
         ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {training['save_steps']} steps apart"),
     ]
+    choice = training.get("decoding_choice")
+    if choice:
+        penalty = "greedy" if choice["length_penalty"] is None else f"length penalty {choice['length_penalty']}"
+        rows.append(
+            (
+                "Decoding",
+                f"beam {choice['num_beams']}, {penalty}: the best of {len(choice['tried'])} settings by sacreBLEU "
+                f"on {choice['sentences']:,} validation sentences ({choice['bleu']}) (§6.1)",
+            )
+        )
     if last_log:
         trained = f"{last_log['step']:,} steps ({last_log['epoch'] + 1} epochs)"
         if "validation_loss" in last_log:
