@@ -1,4 +1,4 @@
-"""The `vaswani-transformer` command: train, evaluate, translate, push, convert-marian, export-ctranslate2.
+"""The `vaswani-transformer` command: train, evaluate, translate, serve, push, average, convert, export.
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
@@ -171,6 +171,60 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-positions", type=int, default=1024, help="longest source or target, in tokens (default: 1024)"
     )
     export.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
+
+    serve = commands.add_parser(
+        "serve", help="serve a translator over HTTP: the LibreTranslate API and a page at / (the `serve` extra)"
+    )
+    serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=5000, help="TCP port; 0 lets the system choose (default: 5000)")
+    serve.add_argument(
+        "--engine",
+        choices=["torch", "ctranslate2"],
+        default="torch",
+        help="torch: the model's generate(); ctranslate2: its CTranslate2 export, made on first use in "
+        "MODEL/ctranslate2/ (default: torch)",
+    )
+    serve.add_argument(
+        "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"
+    )
+    serve.add_argument(
+        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
+    )
+    serve.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
+    serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
+    batching = serve.add_argument_group(
+        "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
+    )
+    batching.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=5.0,
+        help="after the first waiting request, collect others this many milliseconds (default: 5)",
+    )
+    batching.add_argument(
+        "--max-batch-tokens", type=int, default=4096, help="source tokens per generate() call (default: 4096)"
+    )
+    batching.add_argument(
+        "--max-batch-sentences", type=int, default=64, help="sentences per generate() call (default: 64)"
+    )
+    limits = serve.add_argument_group("limits of one request (HTTP 400 beyond them)")
+    limits.add_argument(
+        "--char-limit", type=int, default=5000, help="characters of q, all texts together (default: 5000)"
+    )
+    limits.add_argument("--batch-limit", type=int, default=64, help="texts in a list q (default: 64)")
+    limits.add_argument(
+        "--long-inputs",
+        choices=["error", "truncate"],
+        default="error",
+        help="a sentence longer than the model's limit (tokens): refuse the request, or truncate the sentence "
+        "(default: error)",
+    )
+    serve.add_argument(
+        "--threads", type=int, default=None, help="CPU threads of one generate() call (default: torch's, one per core)"
+    )
+    serve.add_argument("--no-access-log", action="store_true", help="do not log each request")
     return parser
 
 
@@ -327,6 +381,18 @@ def _export_ctranslate2(args: argparse.Namespace) -> None:
         raise OSError(str(error)) from error
 
 
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from .serving import serve
+
+        options = ["host", "port", "engine", "device", "num_beams", "source_lang", "target_lang", "batch_wait_ms",
+                   "max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit", "long_inputs",
+                   "ctranslate2_dir", "threads"]  # fmt: skip
+        serve(args.model, access_log=not args.no_access_log, **{name: getattr(args, name) for name in options})
+    except ImportError as error:  # the optional dependencies: one line, not a traceback
+        raise OSError(str(error)) from error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vaswani-transformer` console script.
 
@@ -347,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "average": _average,
         "convert-marian": _convert_marian,
         "export-ctranslate2": _export_ctranslate2,
+        "serve": _serve,
     }[args.command]
     try:
         command(args)

@@ -1,0 +1,320 @@
+"""Load test of `vaswani-transformer serve`: N concurrent clients, micro-batching against one request at a time.
+
+The script starts the server itself, twice, on a free loopback port each time, with the given model:
+
+- "micro-batching": the server's batching options (`--batch-wait-ms`, `--max-batch-tokens`,
+  `--max-batch-sentences`, the defaults of `serve` unless given here);
+- "one at a time": `--batch-wait-ms 0 --max-batch-sentences 1`, each request its own `generate()`.
+
+Each time, after a few warm-up requests, `--clients` threads (each with its own keep-alive
+connection) send `--requests` POST /translate requests in all, one Multi30k test sentence each
+(LibreTranslate's JSON body), as fast as the answers come back. A run stops by itself after its
+requests, or after `--max-seconds` (then the requests not sent are reported, and the run fails).
+The server is then stopped with SIGTERM and must exit with status 0.
+
+Reported per run: throughput (answered sentences per second of wall time, first request to last
+answer), latency p50/p95/p99 in milliseconds, errors (a status other than 200, a body without a
+string `translatedText`, a connection error or a timeout), the share of CPU time other virtual
+machines took (steal, from /proc/stat); and the gain: micro-batching's throughput over one at a
+time's. The table goes to stdout, the whole report (machine, CPU vector extensions, torch version,
+commit) to `--output` as JSON.
+
+    python scripts/load_test.py --model outputs/multi30k-en-de --clients 32 --requests 1000 --output load.json
+
+`--threads N` is passed to both servers (`serve --threads`): on two cores shared with the clients,
+measure 1 and 2.
+
+Exit status: 0 when both runs answered every request without an error (and, with `--min-gain`, the
+gain reached it), 1 otherwise.
+"""
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {
+    "micro-batching": [],  # the batching options of the command line are added
+    "one at a time": ["--batch-wait-ms", "0", "--max-batch-sentences", "1"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model directory (or Hub id) to serve")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients (default: 32)")
+    parser.add_argument(
+        "--requests", type=int, default=1000, help="requests per run, all clients together (default: 1000)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=ROOT.parent / "shared" / "data" / "multi30k",
+        help="corpus directory (default: ../shared/data/multi30k beside the repository)",
+    )
+    parser.add_argument("--split", default="test_2016_flickr", help="file stem of the sentences (default: %(default)s)")
+    parser.add_argument(
+        "--source-lang", default="en", help="language of the sentences: DATA_DIR/SPLIT.LANG (default: en)"
+    )
+    parser.add_argument("--target-lang", default="de", help="target of the requests (default: de)")
+    parser.add_argument(
+        "--max-seconds", type=float, default=600, help="time limit of each run, in seconds (default: 600)"
+    )
+    parser.add_argument("--warmup", type=int, default=8, help="untimed requests before each run (default: 8)")
+    parser.add_argument("--engine", choices=["torch", "ctranslate2"], default="torch", help="serve's --engine")
+    parser.add_argument("--threads", type=int, default=None, help="serve's --threads, both runs (default: torch's)")
+    parser.add_argument("--batch-wait-ms", type=float, default=None, help="serve's option for the micro-batching run")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="serve's option for the micro-batching run")
+    parser.add_argument("--max-batch-sentences", type=int, default=None, help="serve's option, micro-batching run")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="runs to make (default: both)"
+    )
+    parser.add_argument("--min-gain", type=float, default=None, help="fail unless micro-batching gains this factor")
+    parser.add_argument("--output", type=Path, default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.requests < 1 or args.max_seconds <= 0:
+        parser.error("--clients and --requests must be at least 1, --max-seconds above 0")
+    return args
+
+
+def read_sentences(args: argparse.Namespace) -> list[str]:
+    path = args.data_dir / f"{args.split}.{args.source_lang}"
+    sentences = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not sentences:
+        raise SystemExit(f"{path} holds no sentences")
+    return sentences
+
+
+class Server:
+    """`vaswani-transformer serve` in a subprocess on a free loopback port (the system chooses it)."""
+
+    def __init__(self, args: argparse.Namespace, options: list[str], log_path: Path) -> None:
+        command = [sys.executable, "-m", "vaswani_transformer.cli", "serve", args.model, "--host", "127.0.0.1"]
+        command += ["--port", "0", "--engine", args.engine, "--no-access-log", *options]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
+        self.command = command
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(600)  # loading a model, and exporting it for CTranslate2 the first time
+        if not line or " on http://" not in line[0]:
+            self.process.kill()
+            raise SystemExit(f"the server did not start:\n{log_path.read_text()[-3000:]}")
+        address = line[0].rsplit("http://", 1)[1].strip()
+        self.host, self.port = address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1])
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status (the server answers what it has, then exits 0)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+        finally:
+            self.log.close()
+
+
+def post(connection: http.client.HTTPConnection, body: bytes) -> tuple[int, bytes]:
+    connection.request("POST", "/translate", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
+def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dict:
+    """`args.requests` requests from `args.clients` threads; every request's latency and outcome."""
+    bodies = [json.dumps({"q": s, "source": args.source_lang, "target": args.target_lang}).encode() for s in sentences]
+    warm = http.client.HTTPConnection(server.host, server.port, timeout=300)
+    for body in bodies[: args.warmup]:
+        post(warm, body)
+    warm.close()
+
+    numbers = itertools.count()  # next() on a count is atomic under the GIL: each request is sent once
+    results: list[tuple[int, float, str | None, str | None]] = []  # (request, seconds, error, translation)
+    lock = threading.Lock()
+    start = time.perf_counter()
+    deadline = start + args.max_seconds
+
+    def client() -> None:
+        connection = None
+        while (number := next(numbers)) < args.requests:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            if connection is None:
+                connection = http.client.HTTPConnection(server.host, server.port, timeout=remaining)
+            sent = time.perf_counter()
+            error = translation = None
+            try:
+                status, raw = post(connection, bodies[number % len(bodies)])
+                answer = json.loads(raw)
+                translation = answer.get("translatedText") if isinstance(answer, dict) else None
+                if status != 200 or not isinstance(translation, str):
+                    error = f"HTTP {status}: {raw[:200]!r}"
+            except (OSError, http.client.HTTPException, ValueError) as failure:  # timeouts are OSErrors
+                error = f"{type(failure).__name__}: {failure}"
+                connection.close()
+                connection = None
+            with lock:
+                results.append((number, time.perf_counter() - sent, error, translation))
+        if connection is not None:
+            connection.close()
+
+    steal_before = cpu_times()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(args.max_seconds + 300)
+    wall = time.perf_counter() - start
+    steal_after = cpu_times()
+
+    ok = [seconds for _, seconds, error, _ in results if error is None]
+    errors = [error for _, _, error, _ in results if error is not None]
+    cut = statistics.quantiles(ok, n=100, method="inclusive") if len(ok) > 1 else [ok[0] if ok else float("nan")] * 99
+    steal = None
+    if steal_before and steal_after and steal_after[1] > steal_before[1]:
+        steal = (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
+    return {
+        "requests": args.requests,
+        "answered": len(ok),
+        "errors": len(errors),
+        "not_sent": args.requests - len(results),
+        "first_errors": errors[:5],
+        "seconds": round(wall, 3),
+        "sentences_per_second": round(len(ok) / wall, 2),
+        "latency_ms": {
+            "p50": round(cut[49] * 1000, 1),
+            "p95": round(cut[94] * 1000, 1),
+            "p99": round(cut[98] * 1000, 1),
+            "max": round(max(ok, default=float("nan")) * 1000, 1),
+        },
+        "cpu_steal": None if steal is None else round(steal, 4),
+        "translations": {number: translation for number, _, error, translation in results if error is None},
+    }
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) CPU time in clock ticks since boot, from /proc/stat; None where there is none."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def machine() -> dict:
+    """CPU model and vector extensions, cores, library versions and the commit, for the report."""
+    import torch
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    lines = cpuinfo.splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    git = {"cwd": ROOT, "capture_output": True, "text": True, "env": {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip() or None
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+    return {
+        "cpu": cpu or platform.processor(),
+        # The vector extensions decide which kernels are fast: a number on one set says little of another.
+        "cpu_vector_extensions": sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "uncommitted_changes": bool(changed),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sentences = read_sentences(args)
+    batching = []
+    for flag in ("batch_wait_ms", "max_batch_tokens", "max_batch_sentences"):
+        if getattr(args, flag) is not None:
+            batching += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    report: dict = {
+        "model": args.model,
+        "engine": args.engine,
+        "clients": args.clients,
+        "requests": args.requests,
+        "server_threads": args.threads,
+        "sentences": f"{args.data_dir / args.split}.{args.source_lang}",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "runs": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="load_test_") as workdir:
+        for mode in args.modes:
+            options = MODES[mode] or batching
+            server = Server(args, options, Path(workdir) / f"server-{len(report['runs'])}.log")
+            print(f"{mode}: {args.clients} clients, {args.requests} requests ({' '.join(options) or 'defaults'})")
+            try:
+                run = drive(server, args, sentences)
+            finally:
+                run_status = server.stop()
+            run["server_options"] = options
+            run["server_exit_status"] = run_status
+            if run_status != 0:
+                run["server_log_tail"] = server.log_path.read_text()[-2000:]
+            report["runs"][mode] = run
+
+    runs = report["runs"]
+    if len(runs) == 2:
+        batched, alone = runs["micro-batching"], runs["one at a time"]
+        if alone["sentences_per_second"] > 0:
+            report["gain"] = round(batched["sentences_per_second"] / alone["sentences_per_second"], 2)
+        same = [n for n in batched["translations"] if n in alone["translations"]]
+        # Information, not an error: a batch pads sentences, which may move a beam search tie.
+        report["translations_differing_between_runs"] = sum(
+            batched["translations"][n] != alone["translations"][n] for n in same
+        )
+    for run in runs.values():
+        run.pop("translations")
+
+    print(f"\n{'run':<16}{'sent/s':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}{'not sent':>10}{'exit':>6}")
+    for mode, run in runs.items():
+        latency = run["latency_ms"]
+        print(
+            f"{mode:<16}{run['sentences_per_second']:>9.2f}{latency['p50']:>9.1f}{latency['p95']:>9.1f}"
+            f"{latency['p99']:>9.1f}{run['errors']:>8}{run['not_sent']:>10}{run['server_exit_status']:>6}"
+        )
+        for error in run["first_errors"]:
+            print(f"  {mode} error: {error}")
+    if "gain" in report:
+        print(f"gain of micro-batching: {report['gain']:.2f}x")
+    cpu = report["machine"]
+    print(
+        f"machine: {cpu['cpu']} ({cpu['cores']} cores; {' '.join(cpu['cpu_vector_extensions'])}), torch {cpu['torch']}"
+    )
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.output}")
+
+    failed = any(run["errors"] or run["not_sent"] or run["server_exit_status"] for run in runs.values())
+    if args.min_gain is not None and report.get("gain", 0) < args.min_gain:
+        failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

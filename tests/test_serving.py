@@ -1,0 +1,391 @@
+"""`vaswani-transformer serve`: the real server on a loopback port, spoken to as LibreTranslate clients do.
+
+The server runs as a subprocess (`python -m vaswani_transformer.cli serve MODEL --port 0`) on the
+small model trained on Multi30k (`trained_model_dir`); its translations are compared with
+`generate()`'s for the same real test sentences.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from vaswani_transformer.cli import main  # noqa: E402
+from vaswani_transformer.serving import MicroBatcher, model_languages  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# Screenshots of the page, kept for a person to look at (outputs/ is not committed).
+ARTIFACTS = Path(os.environ.get("VASWANI_TEST_ARTIFACTS", ROOT / "outputs" / "test-artifacts"))
+
+
+class Server:
+    """`vaswani-transformer serve` in a subprocess on a port the system chooses; its log goes to a file."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *options: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        command = [sys.executable, "-m", "vaswani_transformer.cli", "serve", str(model_dir), "--port", "0", *options]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
+        self.url = self._wait_for_banner(timeout=180)
+
+    def _wait_for_banner(self, timeout: float) -> str:
+        # The server prints one line once it accepts connections: "Serving MODEL (en -> de, torch) on http://...".
+        found: list[str] = []
+        reader = threading.Thread(target=lambda: found.append(self.process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = found[0] if found else ""
+        if " on http://" not in line:
+            self.process.kill()
+            pytest.fail(f"the server did not start: {line!r}\n{self.log_path.read_text()[-3000:]}")
+        return line.rsplit(" on ", 1)[1].strip()
+
+    def stop(self, timeout: float = 120) -> int:
+        """SIGTERM, then the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.log.close()
+
+
+def call(url: str, body=None, content_type: str = "application/json", method: str | None = None) -> tuple[int, object]:
+    """One HTTP request: (status, the JSON body). `body`: bytes as they are, or an object sent as JSON."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    headers = {"Content-Type": content_type} if data is not None else {}
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def generate_translations(model_dir: Path, sentences: list[str], **generate_kwargs) -> list[str]:
+    """`generate()` on the sentences as one padded batch, decoded: what the server must answer."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    output = model.generate(**tokenizer(sentences, padding=True, return_tensors="pt"), **generate_kwargs)
+    return [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
+
+
+@pytest.fixture(scope="module")
+def sentences(corpus) -> list[str]:
+    """24 real English sentences of Multi30k's test set."""
+    return corpus["test_2016_flickr"]["en"][:24]
+
+
+@pytest.fixture(scope="module")
+def references(trained_model_dir, sentences) -> dict[str, str]:
+    return dict(zip(sentences, generate_translations(trained_model_dir, sentences), strict=True))
+
+
+@pytest.fixture(scope="module")
+def server(trained_model_dir, tmp_path_factory):
+    running = Server(
+        trained_model_dir,
+        tmp_path_factory.mktemp("serve") / "server.log",
+        "--batch-wait-ms", "20", "--batch-limit", "4", "--char-limit", "1000",
+    )  # fmt: skip
+    yield running
+    assert running.stop() == 0
+
+
+def test_translations_equal_generate_for_the_same_sentences(server, sentences, references):
+    batch = sentences[:8]
+    # Concurrent requests of one sentence each: the micro-batcher translates them together.
+    with ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(
+            pool.map(lambda s: call(f"{server.url}/translate", {"q": s, "source": "en", "target": "de"}), batch)
+        )
+    assert [status for status, _ in answers] == [200] * len(batch)
+    assert [body["translatedText"] for _, body in answers] == [references[s] for s in batch]
+    assert sum(len(references[s].split()) for s in batch) > 3 * len(batch)  # real translations, not empty ones
+
+    status, body = call(f"{server.url}/translate", {"q": sentences[8:12], "source": "en", "target": "de"})
+    assert status == 200
+    assert body == {"translatedText": [references[s] for s in sentences[8:12]]}
+
+
+def test_libretranslate_request_and_response_shapes(server, sentences, references):
+    status, languages = call(f"{server.url}/languages")
+    assert status == 200
+    assert languages == [
+        {"code": "en", "name": "English", "targets": ["de"]},
+        {"code": "de", "name": "German", "targets": []},
+    ]
+    first, second = sentences[0], sentences[1]
+    # libretranslatepy and LibreTranslate's own page send form-encoded bodies.
+    form = urllib.parse.urlencode({"q": first, "source": "en", "target": "de", "api_key": "ignored"}).encode()
+    assert call(f"{server.url}/translate", form, FORM) == (
+        200,
+        {"translatedText": references[first]},
+    )
+    status, body = call(f"{server.url}/translate", {"q": [first, second], "source": "auto", "target": "de"})
+    assert status == 200
+    assert body == {
+        "translatedText": [references[first], references[second]],
+        "detectedLanguage": [{"confidence": 100.0, "language": "en"}] * 2,
+    }
+    status, body = call(f"{server.url}/translate", {"q": first, "source": "en", "target": "de", "alternatives": 2})
+    assert (status, body) == (200, {"translatedText": references[first], "alternatives": []})
+    # One sentence per line, line breaks kept; HTML: text nodes translated, markup kept.
+    status, body = call(f"{server.url}/translate", {"q": f"{first}\n\n{second}", "source": "en", "target": "de"})
+    assert (status, body["translatedText"]) == (200, f"{references[first]}\n\n{references[second]}")
+    html = f'<p class="x">{first}</p><script>if (a < b) {{}}</script>'
+    status, body = call(f"{server.url}/translate", {"q": html, "source": "en", "target": "de", "format": "html"})
+    assert (status, body["translatedText"]) == (
+        200,
+        f'<p class="x">{references[first]}</p><script>if (a < b) {{}}</script>',
+    )
+    status, health = call(f"{server.url}/health")
+    assert status == 200 and health["status"] == "ok" and health["engine"] == "torch"
+
+
+def test_an_existing_libretranslate_client_works_unchanged(server, sentences, references):
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    client = libretranslatepy.LibreTranslateAPI(server.url)
+    assert client.translate(sentences[2], "en", "de") == references[sentences[2]]
+    assert [language["code"] for language in client.languages()] == ["en", "de"]
+
+
+def _too_long_sentence(trained_model_dir: Path) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    sentence = "".join(chr(0x4E00 + i) for i in range(300))  # 300 characters, several byte tokens each
+    assert len(tokenizer(sentence)["input_ids"]) > tokenizer.model_max_length
+    return sentence
+
+
+GOOD = {"q": "A dog runs.", "source": "en", "target": "de"}
+JSON, FORM = "application/json", "application/x-www-form-urlencoded"
+BAD_REQUESTS = [
+    # (what, body, content type, status, words the message must hold)
+    ("missing q", {"source": "en", "target": "de"}, JSON, 400, ["q"]),
+    ("empty q", {**GOOD, "q": ""}, JSON, 400, ["q"]),
+    ("blank q", {**GOOD, "q": "   "}, JSON, 400, ["q", "empty"]),
+    ("empty list q", {**GOOD, "q": []}, JSON, 400, ["q"]),
+    ("q not a string", {**GOOD, "q": 7}, JSON, 400, ["q", "string"]),
+    ("q[1] not a string", {**GOOD, "q": ["A dog.", None]}, JSON, 400, ["q[1]", "string"]),
+    ("missing source", {"q": "A dog."}, JSON, 400, ["source"]),
+    ("missing target", {"q": "A dog.", "source": "en"}, JSON, 400, ["target"]),
+    ("unknown source", {**GOOD, "source": "fr"}, JSON, 400, ["source", "'fr'", "en -> de"]),
+    ("unknown target", {**GOOD, "target": "fr"}, JSON, 400, ["target", "'fr'", "en -> de"]),
+    ("reversed pair", {**GOOD, "source": "de", "target": "en"}, JSON, 400, ["source", "en -> de"]),
+    ("bad format", {**GOOD, "format": "pdf"}, JSON, 400, ["format"]),
+    ("bad alternatives", {**GOOD, "alternatives": -1}, JSON, 400, ["alternatives"]),
+    ("too many texts", {**GOOD, "q": ["A dog."] * 5}, JSON, 400, ["q", "5 texts", "batch limit of 4"]),
+    ("too many characters", {**GOOD, "q": "A dog runs. " * 100}, JSON, 400, ["q", "1200 characters", "limit of 1000"]),
+    ("malformed JSON", b'{"q": "A dog.", "source": "en"', JSON, 400, ["malformed JSON"]),
+    ("JSON not an object", b'["A dog.", "en", "de"]', JSON, 400, ["JSON body", "object"]),
+    ("nested too deeply", b"[" * 50_000, JSON, 400, ["malformed JSON"]),
+    ("not UTF-8", b'{"q": "\xff\xfe\xfa"}', JSON, 400, ["malformed JSON"]),
+    ("form without q", b"source=en&target=de", FORM, 400, ["q"]),
+    ("body too large", b"x" * 200_000, JSON, 413, ["body", "bytes"]),
+]
+
+
+@pytest.mark.parametrize(("body", "content_type", "status", "words"), [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])  # fmt: skip
+def test_bad_input_is_answered_4xx_with_a_message_naming_the_field_and_the_server_stays_up(
+    server, body, content_type, status, words
+):
+    answer_status, answer = call(f"{server.url}/translate", body, content_type)
+    assert answer_status == status
+    assert set(answer) == {"error"}
+    assert all(word in answer["error"] for word in words), answer["error"]
+    assert server.process.poll() is None
+    assert call(f"{server.url}/health")[0] == 200
+
+
+def test_a_sentence_over_the_models_length_limit_is_refused(server, trained_model_dir):
+    body = {"q": ["A dog.", _too_long_sentence(trained_model_dir)], "source": "en", "target": "de"}
+    status, answer = call(f"{server.url}/translate", body)
+    assert status == 400
+    assert "q[1]" in answer["error"] and "limit of 256" in answer["error"]
+
+
+def test_unknown_paths_and_methods_answer_json_errors(server):
+    assert call(f"{server.url}/no-such-page") == (404, {"error": "Not Found"})
+    assert call(f"{server.url}/translate", method="GET") == (405, {"error": "Method Not Allowed"})
+
+
+def test_sigterm_with_requests_in_flight_loses_none_of_them(trained_model_dir, tmp_path, sentences, references):
+    # A long collection window keeps all 16 requests inside the server when SIGTERM arrives.
+    server = Server(trained_model_dir, tmp_path / "server.log", "--batch-wait-ms", "5000")
+    batch = sentences[8:24]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        futures = [
+            pool.submit(call, f"{server.url}/translate", {"q": s, "source": "en", "target": "de"}) for s in batch
+        ]
+        deadline = time.monotonic() + 120
+        while call(f"{server.url}/health")[1]["sentences_in_flight"] < len(batch):
+            assert time.monotonic() < deadline, "the 16 requests never were in the server together"
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        answers = [future.result(timeout=120) for future in futures]
+    assert server.stop() == 0
+    assert answers == [(200, {"translatedText": references[s]}) for s in batch]
+    assert "Traceback" not in server.log_path.read_text()
+
+
+def test_ctranslate2_engine_exports_beside_the_model_and_translates(trained_model_dir, tmp_path, sentences):
+    pytest.importorskip("ctranslate2")
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model_dir, model_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    server = Server(model_dir, tmp_path / "server.log", "--engine", "ctranslate2")
+    try:
+        status, body = call(f"{server.url}/translate", {"q": sentences[:8], "source": "en", "target": "de"})
+        assert call(f"{server.url}/health")[1]["engine"] == "ctranslate2"
+    finally:
+        assert server.stop() == 0
+    assert (model_dir / "ctranslate2" / "model.bin").is_file()
+    # CTranslate2 normalises by |Y|^alpha (HF's form), not the GNMT penalty; otherwise our beam search.
+    expected = generate_translations(trained_model_dir, sentences[:8], length_penalty_type="hf")
+    assert (status, body) == (200, {"translatedText": expected})
+
+
+def test_the_models_languages_come_from_its_files_or_the_options(trained_model_dir, tmp_path):
+    assert model_languages(str(trained_model_dir)) == ("en", "de")  # training_config.json
+    bare = tmp_path / "bare"
+    shutil.copytree(trained_model_dir, bare, ignore=shutil.ignore_patterns("checkpoints", "training_config.json"))
+    assert model_languages(str(bare)) == ("en", "de")  # the model card's `language:`
+    (bare / "README.md").unlink()
+    with pytest.raises(ValueError, match="--source-lang and --target-lang"):
+        model_languages(str(bare))
+    assert model_languages(str(bare), "en", "de") == ("en", "de")
+
+
+def test_serve_fails_in_one_line_without_languages_or_on_a_busy_port(trained_model_dir, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(trained_model_dir, bare, ignore=shutil.ignore_patterns("checkpoints", "*.json", "README.md"))
+    assert main(["serve", str(bare)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--source-lang" in error
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", str(trained_model_dir), "--port", str(busy.getsockname()[1])]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--port" in error
+
+
+def test_the_page_translates_in_headless_chromium(server, sentences, references, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium; scripts/test.sh installs Debian's chromium package")
+    sentence = sentences[3]
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 520})
+            page.goto(server.url + "/")
+            page.wait_for_selector("body[data-ready=true]", timeout=30_000)
+            assert page.inner_text("#pair") == "English → German"
+            page.fill("#source", sentence)
+            page.click("#translate")
+            page.wait_for_function("document.getElementById('translation').textContent.length > 0", timeout=60_000)
+            shown, error = page.inner_text("#translation"), page.inner_text("#error")
+            page.screenshot(path=str(tmp_path / "serving_page.png"))
+        finally:
+            browser.close()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tmp_path / "serving_page.png", ARTIFACTS / "serving_page.png")
+    assert error == ""
+    assert (
+        shown == call(f"{server.url}/translate", {"q": sentence, "source": "en", "target": "de"})[1]["translatedText"]
+    )
+    assert shown == references[sentence]
+
+
+class _Blocking:
+    """A stand-in for an engine: records each batch it gets; the first call waits until released."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.batches: list[list[str]] = []
+        self.release, self.started = threading.Event(), threading.Event()
+        self.fail_on = fail_on
+
+    def __call__(self, sentences: list[str]) -> list[str]:
+        self.batches.append(list(sentences))
+        if len(self.batches) == 1:
+            self.started.set()
+            self.release.wait(30)
+        if self.fail_on in sentences:
+            raise RuntimeError(f"cannot translate {self.fail_on}")
+        return [s.upper() for s in sentences]
+
+
+def _submit_while_busy(batcher: MicroBatcher, engine: _Blocking, requests: list[list[str]]) -> list:
+    first = batcher.submit(["first"], 1)
+    assert engine.started.wait(30)  # the worker is inside its first call: the others queue up behind it
+    futures = [first] + [batcher.submit(request, len(request)) for request in requests]
+    engine.release.set()
+    return futures
+
+
+def test_micro_batcher_translates_waiting_requests_together_and_answers_each_its_own():
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, max_batch_sentences=100)
+    requests = [["a", "b"], ["c"], ["d", "e", "f"]]
+    futures = _submit_while_busy(batcher, engine, requests)
+    assert [future.result(30) for future in futures] == [["FIRST"], ["A", "B"], ["C"], ["D", "E", "F"]]
+    assert engine.batches == [["first"], ["a", "b", "c", "d", "e", "f"]]
+    batcher.close()
+
+
+def test_micro_batcher_budgets_never_split_a_request_and_one_at_a_time_means_one_request_per_call():
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, max_batch_sentences=3)
+    futures = _submit_while_busy(batcher, engine, [["a", "b"], ["c"], ["d", "e"], ["f", "g", "h", "i"]])
+    assert [future.result(30) for future in futures][-1] == ["F", "G", "H", "I"]
+    assert engine.batches == [["first"], ["a", "b", "c"], ["d", "e"], ["f", "g", "h", "i"]]
+    batcher.close()
+
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=2, max_batch_sentences=100)  # tokens
+    _submit_while_busy(batcher, engine, [["a"], ["b"], ["c", "d"]])
+    batcher.close()
+    assert engine.batches == [["first"], ["a", "b"], ["c", "d"]]
+
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_sentences=1)
+    _submit_while_busy(batcher, engine, [["a"], ["b"]])
+    batcher.close()
+    assert engine.batches == [["first"], ["a"], ["b"]]
+
+
+def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_queue():
+    engine = _Blocking(fail_on="bad")
+    batcher = MicroBatcher(engine, batch_wait_ms=0)
+    futures = _submit_while_busy(batcher, engine, [["a"], ["bad"], ["c"]])
+    batcher.close()  # returns once everything queued before it is answered
+    assert all(future.done() for future in futures)
+    assert futures[1].result() == ["A"] and futures[3].result() == ["C"]
+    with pytest.raises(RuntimeError, match="cannot translate bad"):
+        futures[2].result()
+    assert batcher.sentences_in_flight == 0
+    with pytest.raises(RuntimeError, match="shutting down"):
+        batcher.submit(["late"], 1)
