@@ -130,6 +130,7 @@ def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus
     sources = (mini_corpus / "val.en").read_text(encoding="utf-8").splitlines()
     references = (mini_corpus / "val.de").read_text(encoding="utf-8").splitlines()
     assert round(corpus_bleu(translate(model, tokenizer, sources), references)["score"], 2) == choice["bleu"]
-    assert f"the best of 3 settings by sacreBLEU on 100 validation sentences ({choice['bleu']})" in (
-        output / "README.md"
-    ).read_text()
+    assert (
+        f"the best of 3 settings by sacreBLEU on 100 validation sentences ({choice['bleu']})"
+        in (output / "README.md").read_text()
+    )
