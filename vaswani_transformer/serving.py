@@ -19,12 +19,10 @@
 import asyncio
 import contextlib
 import copy
-import html
 import json
 import logging
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -33,7 +31,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from html.parser import HTMLParser
 from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -50,6 +47,8 @@ except ImportError as error:
     ) from error
 
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from .text_format import split_text
 
 logger = logging.getLogger(__name__)
 
@@ -519,84 +518,6 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
     elif not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
         raise RequestError(f"Invalid request: alternatives must be a whole number, 0 or more, got {alternatives!r}")
     return TranslateRequest(texts, is_list, model_source, model_target, auto, text_format, alternatives)
-
-
-class _HTMLText(HTMLParser):
-    """Splits HTML into markup, kept as written, and text nodes, to be translated (LibreTranslate's format="html")."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str | int] = []  # markup, or the index of a text node
-        self.texts: list[str] = []
-        self.in_code = False
-
-    def handle_starttag(self, tag, attrs):
-        self.parts.append(self.get_starttag_text())
-        self.in_code = tag in self.CDATA_CONTENT_ELEMENTS
-
-    def handle_startendtag(self, tag, attrs):
-        self.parts.append(self.get_starttag_text())
-
-    def handle_endtag(self, tag):
-        self.parts.append(f"</{tag}>")
-        self.in_code = False
-
-    def handle_data(self, data):
-        if self.in_code:  # script and style are code, kept as written (the parser did not unescape them)
-            self.parts.append(data)
-        elif not data.strip():  # whitespace between tags is layout
-            self.parts.append(data)
-        else:
-            self.parts.append(len(self.texts))
-            self.texts.append(data)
-
-    def handle_comment(self, data):
-        self.parts.append(f"<!--{data}-->")
-
-    def handle_decl(self, decl):
-        self.parts.append(f"<!{decl}>")
-
-    def handle_pi(self, data):
-        self.parts.append(f"<?{data}>")
-
-    def unknown_decl(self, data):
-        self.parts.append(f"<![{data}]>")
-
-
-def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[str]], str]]:
-    """The sentences to translate in one text, and the function that puts their translations back.
-
-    Text: one sentence per line (the model translates sentences, as it was trained); line breaks
-    are kept, a blank line stays blank. HTML: each text node, its whitespace collapsed; tags,
-    attributes, comments, scripts and styles are kept as written.
-
-    Args:
-        text: one text of `q`.
-        text_format: "text" or "html".
-
-    Returns:
-        (sentences, rebuild), where `rebuild(translations)` gives the translated text.
-    """
-    if text_format == "text":
-        lines = re.split(r"\r?\n", text)
-        return lines, "\n".join
-    parser = _HTMLText()
-    parser.feed(text)
-    parser.close()
-    sentences = [" ".join(node.split()) for node in parser.texts]
-
-    def rebuild(translations: list[str]) -> str:
-        out = []
-        for part in parser.parts:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            node = parser.texts[part]
-            leading, trailing = node[: len(node) - len(node.lstrip())], node[len(node.rstrip()) :]
-            out.append(leading + html.escape(translations[part], quote=False) + trailing)
-        return "".join(out)
-
-    return sentences, rebuild
 
 
 async def _request_fields(request: Request, max_bytes: int) -> dict:
