@@ -134,3 +134,19 @@ def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus
         f"the best of 3 settings by sacreBLEU on 100 validation sentences ({choice['bleu']})"
         in (output / "README.md").read_text()
     )
+
+
+def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corpus, tmp_path):
+    # torch.compile (dynamic shapes, lengths padded to multiples of 8) computes the same steps to float rounding.
+    from vaswani_transformer.training import train
+
+    settings = dict(model_overrides={**mini_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=4)
+    eager = read_log(train(mini_run(mini_corpus, tmp_path / "eager", **settings)))
+    compiled = read_log(train(mini_run(mini_corpus, tmp_path / "compiled", compile=True, peak_tflops=0.5, **settings)))
+    assert [r["step"] for r in compiled] == [1, 2, 3, 4]
+    for ours, theirs in zip(compiled, eager, strict=True):
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-4)
+        assert ours["model_tflops_per_second"] > 0
+        assert "mfu" not in theirs  # no peak is known for a CPU
+        # the MFU is the model's FLOP/s over the peak given
+        assert ours["mfu"] == pytest.approx(ours["model_tflops_per_second"] / 0.5, rel=0.05, abs=1e-4)

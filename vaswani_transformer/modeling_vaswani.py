@@ -771,10 +771,12 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         # first (DeepSpeed ZeRO-3 gathers the partitioned weight there, Accelerate's offloading brings it to the
         # device), nor for an output layer with a bias of its own. Not in float16 either: its unscaled logit
         # gradients, about 1 / vocabulary, would fall among float16's subnormals, where the materialised
-        # logits get them multiplied by the loss scale first.
+        # logits get them multiplied by the loss scale first. Nor under torch.compile, which cannot trace its
+        # loop over chunks of data-dependent size and fuses the plain projection and loss itself.
         device = hidden_states.device.type
         return (
             torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
             and (hidden_states.requires_grad or self.lm_head.weight.requires_grad)
             and type(self.lm_head) in (nn.Linear, Linear)
             and self.lm_head.bias is None

@@ -36,8 +36,10 @@ _ONEDNN_MIN_PRODUCT = 2**21
 def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
     # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
+    # Compilation is asked first: a size compared while tracing would become a guard, and a recompilation.
     return (
-        _ONEDNN_LINEAR is not None
+        not torch.compiler.is_compiling()
+        and _ONEDNN_LINEAR is not None
         and torch.backends.mkldnn.enabled
         and input.device.type == weight.device.type == "cpu"
         and input.dim() >= 2
@@ -45,7 +47,6 @@ def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and (bias is None or bias.dtype == torch.float32)
         and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
     )
@@ -129,12 +130,12 @@ class Linear(nn.Linear):
 def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Zero each element with probability p and scale the others by 1 / (1 - p) (§5.4, "Residual Dropout").
 
-    `F.dropout`, except in training on the CPU. There PyTorch draws each element's Bernoulli variable with a
-    call of its own into the generator, a noticeable share of a training step (docs/performance.md,
-    "Residual dropout"); here each element takes 16 bits of 64-bit random draws instead, a quarter of a call,
-    and is dropped when they fall among the lowest round(p * 2^16) of the 2^16 values. The rate is thus p
-    to within 2^-17, and the kept elements are scaled by the inverse of the exact rate kept, so that every
-    element keeps its expected value.
+    `F.dropout`, except in training on the CPU outside `torch.compile`. There PyTorch draws each element's
+    Bernoulli variable with a call of its own into the generator, a noticeable share of a training step
+    (docs/performance.md, "Residual dropout"); here each element takes 16 bits of 64-bit random draws instead, a
+    quarter of a call, and is dropped when they fall among the lowest round(p * 2^16) of the 2^16 values. The
+    rate is thus p to within 2^-17, and the kept elements are scaled by the inverse of the exact rate kept, so
+    that every element keeps its expected value.
 
     Args:
         x: any shape.
@@ -148,7 +149,8 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         ValueError: p is outside [0, 1] (from `F.dropout`).
     """
     dropped = round(p * 2**16)
-    if not training or x.device.type != "cpu" or not 0 < dropped < 2**16:
+    # torch.compile cannot trace the in-place draw, and generates its own dropout kernel.
+    if not training or x.device.type != "cpu" or not 0 < dropped < 2**16 or torch.compiler.is_compiling():
         return F.dropout(x, p=p, training=training)
     # `random_(-2^63, None)` draws all 64 bits; `random_()` leaves the sign bit 0, which the top 16-bit lane needs.
     draws = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast, set_seed
+from accelerate.utils import TorchDynamoPlugin, broadcast, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
 from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batches, tokenize_corpus
+from .flops import peak_flops, training_flops
 from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .plotting import plot_learning_curve
@@ -86,8 +87,9 @@ def _prepare_tokenizer(config: TrainingConfig, corpus, resuming: bool) -> PreTra
     )
 
 
-def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accelerator: Accelerator):
-    """A DataLoader of this process's share of token-budget batches (see `TokenBatchSampler`)."""
+def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accelerator: Accelerator, pad_to: int = 1):
+    """A DataLoader of this process's share of token-budget batches (see `TokenBatchSampler`), padded to a multiple
+    of `pad_to` tokens."""
     source_lengths, target_lengths = lengths_of(split)
     sampler = TokenBatchSampler(
         source_lengths,
@@ -98,7 +100,9 @@ def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accele
         num_shards=accelerator.num_processes,
         shard_index=accelerator.process_index,
     )
-    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
+    collator = DataCollatorForSeq2Seq(
+        tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_to, return_tensors="pt"
+    )
     # A generator of its own: every new iterator draws a seed from it, which would otherwise shift
     # the global random numbers that dropout uses, and a resumed run would drop out other units.
     return torch.utils.data.DataLoader(
@@ -204,7 +208,8 @@ def train(config: TrainingConfig) -> Path:
     Returns:
         The output directory, holding `config.json`, `model.safetensors`, `generation_config.json`,
         the tokenizer files, `training_log.jsonl` (one JSON line per log or validation step, with
-        the minutes of training so far and the target tokens per second since the line before),
+        the minutes of training so far, and since the line before the target tokens per second, the
+        model TFLOP/s and, where the device's peak is known, the MFU: see `flops`),
         `README.md` (model card), `learning_curve.png` and `checkpoints/` (the last
         `keep_checkpoints` and the best one).
 
@@ -260,6 +265,9 @@ class TrainingRun:
         self.accelerator = accelerator = Accelerator(
             cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
             mixed_precision=config.mixed_precision,
+            # Dynamic shapes: token batches vary in sentences and length at every step, and a graph per shape
+            # would recompile without end. None leaves `accelerate launch --dynamo_backend` in charge.
+            dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=True) if config.compile else None,
             log_with=config.report_to or None,
             project_dir=str(self.output_dir / "runs"),
         )
@@ -298,7 +306,11 @@ class TrainingRun:
         if accelerator.is_main_process and resume_from is None:
             model_config.save_pretrained(self.output_dir)  # `average` builds the model from it, before the run ends
         model = VaswaniForConditionalGeneration(model_config)
-        self.train_batches = _batches(tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator)
+        # Compiled code is specialised to shapes; lengths in steps of 8 leave it few to meet (and suit matrix units).
+        pad_to = 8 if config.compile else 1
+        self.train_batches = _batches(
+            tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to
+        )
         self.valid_batches = None
         if "validation" not in tokenized:
             logger.warning(
@@ -326,6 +338,8 @@ class TrainingRun:
             fused=True if self.accelerator.device.type in ("cpu", "cuda") else None,
         )
         schedule = inverse_square_root_schedule(model.config.d_model, config.warmup_steps, config.learning_rate_scale)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision, torch.float32)
+        self.peak_flops = (config.peak_tflops or 0) * 1e12 or peak_flops(self.accelerator.device, dtype)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         # The batches are already sharded per process (TokenBatchSampler), so Accelerate does not prepare them.
         # Not the scheduler: Accelerate's would step once per process, and the schedule counts optimizer steps.
@@ -338,7 +352,7 @@ class TrainingRun:
         self.state = state or {
             "step": 0, "epoch": 0, "batches_done": 0, "elapsed_seconds": 0.0, "skipped_nonfinite": 0,
             "best_step": None, "best_score": None, "validations_without_improvement": 0,
-            "world_size": accelerator.num_processes, "interval": [0.0, 0.0],
+            "world_size": accelerator.num_processes, "interval": [0.0, 0.0, 0.0],
         }  # fmt: skip
         if resume_from is not None:
             self._restore_checkpoint(resume_from)
@@ -357,8 +371,10 @@ class TrainingRun:
             disable=not accelerator.is_local_main_process,
         )  # fmt: skip
         self.stream = _micro_batches(self.train_batches, self.state["epoch"], self.state["batches_done"])
-        # Summed loss and target tokens since the last log record (a checkpoint carries them across a resume).
-        self.interval = torch.tensor(self.state["interval"], dtype=torch.float64, device=accelerator.device)
+        # Summed loss, target tokens and model FLOPs since the last log record (a checkpoint carries them across a
+        # resume; checkpoints of earlier versions counted no FLOPs).
+        interval = [*self.state["interval"], 0.0][:3]
+        self.interval = torch.tensor(interval, dtype=torch.float64, device=accelerator.device)
         self.model.train()
 
     def optimizer_step(self) -> torch.Tensor | None:
@@ -375,9 +391,12 @@ class TrainingRun:
         """
         accelerator, state = self.accelerator, self.state
         micro_batches = [next(self.stream) for _ in range(self.config.update_freq)]
-        tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in micro_batches).to(accelerator.device)
+        tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in micro_batches)
+        flops = sum(training_flops(self.unwrapped.config, b["attention_mask"], b["labels"]) for *_, b in micro_batches)
+        counts = torch.stack([tokens.double(), torch.tensor(flops, dtype=torch.float64)]).to(accelerator.device)
+        global_tokens, global_flops = accelerator.reduce(counts, reduction="sum")
         # DDP averages gradients over processes: dividing by (all tokens / processes) gives sum / all tokens.
-        normaliser = accelerator.reduce(tokens.double(), reduction="sum") / accelerator.num_processes
+        normaliser = global_tokens / accelerator.num_processes
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, (_, _, batch) in enumerate(micro_batches):
             step_loss += self._backward(batch, normaliser, last=index == len(micro_batches) - 1)
@@ -393,8 +412,7 @@ class TrainingRun:
         self.optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         state["epoch"], state["batches_done"] = micro_batches[-1][:2]
-        global_tokens = normaliser * accelerator.num_processes
-        self.interval += torch.stack([step_loss * global_tokens, global_tokens])
+        self.interval += torch.stack([step_loss * global_tokens, global_tokens, global_flops])
         return step_loss
 
     def _backward(self, batch: dict, normaliser: torch.Tensor, last: bool) -> torch.Tensor:
@@ -459,6 +477,7 @@ class TrainingRun:
                 # Over the steps since the last record, on all processes; validation and checkpoints excluded.
                 "target_tokens_per_second": round(float(self.interval[1]) / max(now - self.interval_started, 1e-9)),
             }
+            record.update(self._utilization(float(self.interval[2]), now - self.interval_started))
             self.interval.zero_()
         if self.valid_batches is not None and (step % config.eval_steps == 0 or done):
             improved, patience_over = self.validate(record)
@@ -470,6 +489,14 @@ class TrainingRun:
         if record:
             self.interval_started = time.monotonic()
         return done
+
+    def _utilization(self, flops: float, seconds: float) -> dict:
+        # Model FLOPs per second over all processes (`flops.training_flops`) and, where the peak is known, MFU.
+        achieved = flops / max(seconds, 1e-9)
+        utilization = {"model_tflops_per_second": float(f"{achieved / 1e12:.4g}")}
+        if self.peak_flops:
+            utilization["mfu"] = float(f"{achieved / (self.peak_flops * self.accelerator.num_processes):.4g}")
+        return utilization
 
     def validate(self, record: dict) -> tuple[bool, bool]:
         """Validation loss (and BLEU, §6.1) into `record`; whether it is the best so far, whether patience ran out.

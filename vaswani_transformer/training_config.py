@@ -126,6 +126,18 @@ class TrainingConfig:
         group="checkpoints and faults",
     )
     mixed_precision: str = option("no", help="Accelerate's mixed precision", choices=("no", "bf16", "fp16"))
+    compile: bool = option(
+        False,
+        help="compile the model for training with torch.compile (Inductor, dynamic shapes); batches are padded to a "
+        "multiple of 8 tokens so that few shapes occur",
+        group="speed",
+    )
+    peak_tflops: float | None = option(
+        None,
+        help="the device's dense peak, in TFLOP/s for the training dtype, for the logged model-FLOPs utilisation "
+        "(MFU); none: known for H100, H200 and A100 in bf16 and fp16",
+        group="speed",
+    )
     report_to: list[str] = option([], help="an Accelerate tracker to log to, e.g. tensorboard (repeatable)")
     seed: int = option(1, help="random seed of initialisation, dropout and batch order")
     dataset_config: str | None = option(None, help="configuration of --dataset, e.g. de-en", group="corpus")
@@ -137,6 +149,8 @@ class TrainingConfig:
         for name in ("max_steps", "max_minutes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}; leave it out for no such limit.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}; leave it out to look it up.")
         for name in (
             "vocab_size",
             "max_length",
