@@ -148,7 +148,7 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
     command = [sys.executable, __file__, "--child", engine, task, "--workdir", str(workdir / preset)]
     command += ["--threads", str(args.threads), "--decode-length", str(args.decode_length)]
     command += ["--train-warmup", str(args.train_warmup), "--repeats", str(args.repeats)]
-    command += ["--device", args.device, "--dtype", args.dtype]
+    command += ["--device", args.device, "--dtype", args.dtype] + (["--compile"] if args.compile else [])
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     before = cpu_times()
     done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
@@ -221,7 +221,8 @@ def report_stem(report: dict) -> str:
     else:
         device = f"{machine['gpu']}-{report['dtype']}"
     device = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}"
+    compiled = "_compile" if report.get("compile") else ""
+    return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}{compiled}"
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -265,6 +266,13 @@ def markdown(report: dict) -> str:
                 f"| {name} | {' | '.join(cells)} | {ratio(rate['ours'], rate['marian'])} | "
                 f"{ratio(rate['ours'], rate['ct2'])} |"
             )
+        train = results.get("train", {})
+        if any(train.get(e, {}).get("mfu") for e in ENGINES):
+            cells = [
+                f"{train[e]['model_tflops_per_second']:,.1f} ({train[e]['mfu']:.1%})" if e in train else "–"
+                for e in ENGINES
+            ]
+            lines.append(f"| training, model TFLOP/s (MFU) | {' | '.join(cells)} | | |")
         # The peak memory of the fastest round; on a GPU also PyTorch's peak allocation there.
         for task in names:
             row = results.get(task, {})
@@ -338,6 +346,8 @@ def markdown(report: dict) -> str:
         else f"{m['cpu']} ({' '.join(m['cpu_vector_extensions'])}), {report['threads']} threads of {m['cores']} cores"
     )
     where += f"; commit {m['commit']}"
+    if report.get("compile"):
+        where += "; training compiled (torch.compile, dynamic shapes)"
     lines.append(
         f"{where}; torch {m['torch']}, transformers {m['transformers']}, "
         f"{ct2_version}. Load average before / after: "
@@ -354,6 +364,7 @@ def parent(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="vaswani-benchmark-") as tmp:
         workdir = Path(tmp)
         report = {"command": " ".join(["python", "scripts/benchmark.py", *sys.argv[1:]]), **prepare(args, workdir)}
+        report["compile"] = args.compile
         groups = [*args.presets, *([TRAINED] if args.model else [])]
         report["results"] = {group: {} for group in groups}
         report["round_speeds"] = {group: {} for group in groups}
@@ -488,6 +499,8 @@ def training_step(engine: str, args: argparse.Namespace) -> Callable[[dict], "to
     model.to(args.device).train()
     if args.device == "cuda":
         avoid_cudnn_attention()  # for both engines, as `train` does: the batches change shape at every step
+    if args.compile:  # both engines, as `train --compile` compiles ours: dynamic shapes for token batches
+        loss_of = torch.compile(loss_of, dynamic=True)
     # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.
@@ -512,12 +525,17 @@ def real_tokens(batch: dict) -> int:
 
 
 def child_train(engine: str, args: argparse.Namespace) -> dict:
-    """Training throughput of `engine` ("ours" or "marian"): real source + target tokens per second."""
+    """Training throughput of `engine` ("ours" or "marian"): real source + target tokens per second, and the model
+    FLOPs per second (`flops.training_flops`, the same for both engines) with the MFU where the GPU's peak is known."""
     import torch
 
+    from vaswani_transformer import VaswaniConfig
+    from vaswani_transformer.flops import peak_flops, training_flops
+
     step = training_step(engine, args)
+    config = VaswaniConfig.from_pretrained(args.workdir / "ours")
     batches = [on_device(batch, args) for batch in torch.load(args.workdir.parent / "train_batches.pt")]
-    tokens, elapsed = 0, 0.0
+    tokens, flops, elapsed = 0, 0.0, 0.0
     for index, batch in enumerate(batches):
         synchronize(args)
         start = time.perf_counter()
@@ -526,7 +544,12 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
         if index >= args.train_warmup:
             elapsed += time.perf_counter() - start
             tokens += real_tokens(batch)
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_second": tokens / elapsed, "final_loss": loss.item()}
+            flops += training_flops(config, batch["attention_mask"], batch["labels"])
+    peak = peak_flops(torch.device(args.device), getattr(torch, args.dtype))
+    return {
+        "tokens": tokens, "seconds": elapsed, "tokens_per_second": tokens / elapsed, "final_loss": loss.item(),
+        "model_tflops_per_second": flops / elapsed / 1e12, "mfu": flops / elapsed / peak if peak else None,
+    }  # fmt: skip
 
 
 def child_train_turns(args: argparse.Namespace) -> dict:
@@ -733,6 +756,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="training autocast and decoding dtype; float32 on the CPU (default: float32)")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where the reports go")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both engines' training (dynamic shapes)")
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

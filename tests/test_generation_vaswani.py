@@ -13,6 +13,8 @@ from transformers.generation import logits_process
 from vaswani_transformer import VaswaniConfig, generation_vaswani
 from vaswani_transformer.modeling_vaswani import MultiHeadAttention
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
 
 def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sentences):
     model = random_model(tokenizer, seed=5)
@@ -120,14 +122,16 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
     ],
 )
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_beam_search_returns_what_transformers_beam_search_returns(
-    trained_model_dir, test_sentences, monkeypatch, options
+    trained_model_dir, test_sentences, monkeypatch, options, device
 ):
     # generate() runs our beam search, which drops finished sentences from the batch; asking for a
-    # dict of outputs runs transformers' own loop instead. Both must give the same hypotheses.
-    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    # dict of outputs runs transformers' own loop instead. Both must give the same hypotheses, on a GPU
+    # too, where the beam-search cache runs its CUDA path (in float32, so that both see the same scores).
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
-    inputs = tokenizer(test_sentences[0][:48], padding=True, return_tensors="pt")
+    inputs = tokenizer(test_sentences[0][:48], padding=True, return_tensors="pt").to(device)
     calls = {"search": 0, "batch_narrowed": 0}
     search, select = generation_vaswani.beam_search, generation_vaswani.SourceLengthLimit.select
 
