@@ -1,6 +1,7 @@
 """Shared fixtures: the Multi30k corpus from ../shared, a tokenizer trained on it, and one small trained model."""
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,13 @@ def mini_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
         average_last=2,
     )  # fmt: skip
     return TrainingConfig(**{**settings, **overrides})
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for the processes of an `accelerate launch` to meet on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cli_arguments(config: TrainingConfig) -> list[str]:

@@ -1,20 +1,13 @@
 """Data parallelism: two processes (gloo on CPU) under `accelerate launch` train like one with the same global batch."""
 
-import socket
 import subprocess
 import sys
 
 import torch
-from conftest import cli_arguments, mini_run, read_log
+from conftest import cli_arguments, free_port, mini_run, read_log
 from safetensors.torch import load_file
 
 from vaswani_transformer.training import train
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):

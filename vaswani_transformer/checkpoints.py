@@ -6,6 +6,12 @@ exactly: the weights (`model.safetensors`), the optimizer, scheduler and loss-sc
 process's random number generator state (`rng-<rank>.safetensors`), and `trainer_state.json`
 (step, position in the data, log, best score) with the SHA-256 of every other file.
 
+The weights are always the whole model in float32, whatever the processes held: under FSDP they
+are gathered from the shards, and so is the optimizer state (keyed by parameter name, as
+`torch.distributed.checkpoint.state_dict` writes it); under DeepSpeed ZeRO they are ZeRO's float32
+master weights, and each process writes its partition of the optimizer (`optimizer-<rank>.pt`:
+the master weights and Adam moments of its share, plain tensors and numbers too).
+
 Writes are atomic: the files go into a hidden `.incomplete-*` directory that is renamed to
 `step-<N>` only once everything is on disk (renaming a directory is atomic on POSIX file
 systems), and old checkpoints are renamed to `.deleting-*` before they are removed. So a run
@@ -60,15 +66,37 @@ def remove_leftovers(checkpoints_dir: str | Path) -> list[Path]:
     return leftovers
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights for a checkpoint, each stored once.
+def _tied_copy(name: str) -> bool:
+    # The pre-softmax projection and the two embedding tables share the weight `model.shared.weight` (§3.4).
+    return name.endswith(("lm_head.weight", "embeddings.embed_tokens.weight"))
+
+
+def model_state(model: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's weights for a checkpoint, each stored once, on the CPU.
 
     The embedding shared by source, target and the pre-softmax projection (§3.4) is stored under
     `model.shared.weight` only: safetensors refuses tensors that share memory.
+
+    Args:
+        model: the unwrapped model, or the whole state dict of one (e.g. gathered from FSDP's shards).
     """
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    state.pop("lm_head.weight", None)
-    return {k: v for k, v in state.items() if not k.endswith("embeddings.embed_tokens.weight")}
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return {name: t.detach().contiguous().cpu() for name, t in state.items() if not _tied_copy(name)}
+
+
+def check_loaded_names(missing: list[str], unexpected: list[str]) -> None:
+    """Check what loading `model_state` weights left out: the tied copies of the embedding (§3.4) and nothing else.
+
+    Args:
+        missing, unexpected: the names `load_state_dict(..., strict=False)` reports (with or without
+            the prefixes of a wrapper such as FSDP's).
+
+    Raises:
+        CheckpointError: a weight of the model is missing or the file holds unknown weights.
+    """
+    untied = [n for n in missing if not _tied_copy(n)]
+    if untied or unexpected:
+        raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -77,10 +105,7 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     Raises:
         CheckpointError: a weight of the model is missing or the file holds unknown weights.
     """
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    untied = [n for n in missing if n != "lm_head.weight" and not n.endswith("embeddings.embed_tokens.weight")]
-    if untied or unexpected:
-        raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
+    check_loaded_names(*model.load_state_dict(state, strict=False))
 
 
 def _sha256(path: Path) -> str:
@@ -119,17 +144,29 @@ def write_rng_state(directory: Path, rank: int) -> None:
     save_file(state, directory / f"rng-{rank}.safetensors")
 
 
+def write_optimizer_partition(directory: Path, rank: int, state: dict) -> None:
+    """Save this process's partition of a ZeRO optimizer (DeepSpeed) as `optimizer-<rank>.pt`.
+
+    Args:
+        directory: from `incomplete_dir`; before the main process calls `write_main_state`.
+        rank: the process's index.
+        state: tensors, numbers, strings, lists and dicts only (read back with `weights_only=True`).
+    """
+    torch.save(state, directory / f"optimizer-{rank}.pt")
+
+
 def write_main_state(
     directory: Path,
-    model: torch.nn.Module,
+    model: torch.nn.Module | dict[str, torch.Tensor],
     optimizer_state: dict,
     trainer_state: dict,
 ) -> None:
     """Write the weights, the optimizer/scheduler/scaler state and `trainer_state.json` (last, with file checksums).
 
     Args:
-        directory: from `incomplete_dir`, after every process wrote its `rng-<rank>.safetensors`.
-        model: the unwrapped model.
+        directory: from `incomplete_dir`, after every process wrote its `rng-<rank>.safetensors` (and
+            `optimizer-<rank>.pt`, under DeepSpeed).
+        model: the unwrapped model, or the whole state dict of one (see `model_state`).
         optimizer_state: `{"optimizer": ..., "scheduler": ..., "scaler": ...}` state dicts (tensors,
             numbers, strings, lists and dicts only).
         trainer_state: JSON-serialisable progress (step, data position, log, ...).
@@ -230,17 +267,18 @@ def latest_good_checkpoint(checkpoints_dir: Path, world_size: int) -> tuple[Path
         raise CheckpointError(message) from error
 
 
-def load_optimizer_state(path: Path) -> dict:
-    """Read `optimizer.pt` without executing pickled code (`torch.load(weights_only=True)`).
+def load_optimizer_state(path: Path, rank: int | None = None) -> dict:
+    """Read `optimizer.pt` (or `optimizer-<rank>.pt`) without executing pickled code (`torch.load(weights_only=True)`).
 
     Raises:
         CheckpointError: the file holds anything but tensors and plain data, e.g. a crafted pickle.
     """
+    file = path / (OPTIMIZER_NAME if rank is None else f"optimizer-{rank}.pt")
     try:
-        return torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
         raise CheckpointError(
-            f"{path / OPTIMIZER_NAME} is not a safe optimizer state (only tensors and plain data are loaded, "
+            f"{file} is not a safe optimizer state (only tensors and plain data are loaded, "
             f"never pickled code): {str(error).splitlines()[0]}"
         ) from error
 

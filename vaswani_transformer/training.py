@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import TorchDynamoPlugin, broadcast, set_seed
+from accelerate.utils import DistributedType, TorchDynamoPlugin, broadcast, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
@@ -128,7 +128,9 @@ def validation_loss(model: VaswaniForConditionalGeneration, batches: Iterable[di
     """Label-smoothed loss per target token over the validation batches of every process, dropout off (§5.4).
 
     Args:
-        model: the unwrapped model (no data-parallel wrapper, whose forward would synchronise).
+        model: the unwrapped model (no data-parallel wrapper, whose forward would synchronise), or under
+            FSDP the wrapped one, whose forward gathers the sharded parameters: every process must then run
+            as many batches (`TokenBatchSampler` deals them so).
         batches: this process's validation batches: `input_ids`, `attention_mask` and `labels` of shape
             (sentences, tokens), `labels` -100 on padding.
         accelerator: for the device and the sum over processes (every process must call this).
@@ -242,8 +244,8 @@ class TrainingRun:
             checkpoint it resumes from, if any.
 
     Raises:
-        ValueError, FileNotFoundError: the corpus cannot be read, or the output directory holds a
-            run's checkpoints and `config.resume` is off.
+        ValueError, FileNotFoundError: the corpus cannot be read, the output directory holds a run's
+            checkpoints and `config.resume` is off, or `config.update_freq` is above 1 under DeepSpeed.
         OSError: the output directory is not writable.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """
@@ -273,6 +275,12 @@ class TrainingRun:
         )
         if accelerator.device.type == "cuda":
             avoid_cudnn_attention()
+        if accelerator.distributed_type == DistributedType.DEEPSPEED and config.update_freq > 1:
+            # DeepSpeed applies the update inside every backward pass: accumulated batches would be separate steps.
+            raise ValueError(
+                f"--update-freq {config.update_freq} does not work under DeepSpeed, which updates the weights after "
+                "every batch: use --update-freq 1 and reach the batch size with --max-tokens or more processes."
+            )
         _check_output_dir(self.output_dir, config.resume)
         if accelerator.is_main_process:
             ensure_writable(self.output_dir)
@@ -510,13 +518,16 @@ class TrainingRun:
             `early_stopping_patience` validations in a row have not improved.
         """
         accelerator, state = self.accelerator, self.state
-        record["validation_loss"] = score = validation_loss(self.unwrapped, self.valid_batches, accelerator)
+        # FSDP's forward gathers the sharded parameters: every process runs the wrapped model, on as many batches.
+        model = self.model if accelerator.distributed_type == DistributedType.FSDP else self.unwrapped
+        record["validation_loss"] = score = validation_loss(model, self.valid_batches, accelerator)
         if self.config.bleu_sentences:
             bleu = 0.0
+            weights = self._whole_weights() if self._sharded() else None  # every process takes part in gathering
             if accelerator.is_main_process:
                 n = self.config.bleu_sentences
                 sources, references = self.validation_sources[:n], self.validation_references[:n]
-                bleu = validation_bleu(self.unwrapped, self.tokenizer, sources, references)
+                bleu = validation_bleu(self._whole_model(weights), self.tokenizer, sources, references)
             record["validation_bleu"] = bleu = float(
                 _broadcast(accelerator, torch.tensor([bleu], dtype=torch.float64))[0]
             )
@@ -535,8 +546,9 @@ class TrainingRun:
     def _log(self, record: dict, done: bool) -> None:
         accelerator = self.accelerator
         record["skipped_nonfinite"] = self.state["skipped_nonfinite"]
-        if done and accelerator.num_processes > 1:
-            # Data parallelism keeps replicas identical; a differing sum would reveal a desynchronised process.
+        if done and accelerator.num_processes > 1 and accelerator.distributed_type != DistributedType.FSDP:
+            # Data parallelism keeps replicas identical; a differing sum would reveal a desynchronised process
+            # (FSDP's processes hold different shards, whose sums differ by design).
             sums = accelerator.gather(torch.tensor([_parameter_checksum(self.unwrapped)], device=accelerator.device))
             record["replica_checksums"] = sums.tolist()
         self.progress.write(json.dumps(record))
@@ -545,12 +557,64 @@ class TrainingRun:
                 log.write(json.dumps(record) + "\n")
         accelerator.log({k: v for k, v in record.items() if isinstance(v, float)}, step=record["step"])
 
+    def _sharded(self) -> bool:
+        # No process holds the whole float32 model: FSDP shards the parameters, DeepSpeed ZeRO the float32 master
+        # weights (its module's weights are bf16 copies under --mixed-precision bf16).
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        # The whole model's float32 weights on the main process's CPU (FSDP leaves the others none), from FSDP's
+        # shards or ZeRO's master weights (each summed from its partitions). Every process must call this.
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return self.accelerator.get_state_dict(self.model)
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters = {id(p): safe_get_full_fp32_param(p).cpu() for p in self.unwrapped.parameters()}
+        parameters = dict(self.unwrapped.named_parameters(remove_duplicate=False))
+        state = self.unwrapped.state_dict()
+        return {name: masters[id(parameters[name])] if name in parameters else t for name, t in state.items()}
+
+    def _whole_model(self, weights: dict[str, torch.Tensor] | None = None) -> VaswaniForConditionalGeneration:
+        # The model as one float32 module, to translate with and to save on the main process: the trained one itself
+        # on one process or under DDP; else (`_sharded`) a new one on the same device, holding `weights` if given.
+        if not self._sharded():
+            return self.unwrapped
+        with torch.device(self.accelerator.device):
+            model = VaswaniForConditionalGeneration(self.unwrapped.config)
+        if weights is not None:
+            ckpt.load_model_state(model, weights)
+        return model
+
+    def _training_state(self, directory: Path) -> tuple[torch.nn.Module | dict[str, torch.Tensor], dict | None]:
+        # The weights and the optimizer state for the main process to write, and under DeepSpeed this process's
+        # partition of the optimizer, written here. Every process must call this: FSDP gathers its shards.
+        accelerator = self.accelerator
+        if accelerator.distributed_type == DistributedType.FSDP:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            # Whole tensors, keyed by parameter name, on the CPU of the main process (the others get none).
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=options)
+            return self._whole_weights(), optimizer
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            zero = self.optimizer.optimizer  # DeepSpeed's ZeRO optimizer; its `optimizer`, the Adam of `_prepare`
+            partition = {
+                "optimizer": zero.optimizer.state_dict(),  # Adam over this process's flat partitions
+                "masters": [t.detach().cpu() for t in zero.single_partition_of_fp32_groups],
+                "loss_scaler": {k: v for k, v in vars(zero.loss_scaler).items() if k in _ZERO_LOSS_SCALER_STATE},
+            }
+            ckpt.write_optimizer_partition(directory, accelerator.process_index, partition)
+            return self._whole_weights(), None
+        return self.unwrapped, self.optimizer.state_dict() if accelerator.is_main_process else None
+
     def save_checkpoint(self) -> Path:
         """Save the state of the run as `checkpoints/step-N`, to resume exactly or to average (§6.1).
 
-        Every process writes its RNG state, the main process the rest (weights, optimizer, schedule, loss
-        scaler and `state`); the checkpoint appears atomically, and only the last `keep_checkpoints` and the
-        best one stay. Every process must call this.
+        Every process writes its RNG state (and, under DeepSpeed, its partition of the optimizer), the main
+        process the rest (weights, optimizer, schedule, loss scaler and `state`); the weights are the whole
+        model in float32 even where the processes hold shards of it (FSDP, DeepSpeed ZeRO). The checkpoint
+        appears atomically, and only the last `keep_checkpoints` and the best one stay. Every process must
+        call this.
 
         Returns:
             The checkpoint's directory.
@@ -563,13 +627,16 @@ class TrainingRun:
         directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
         accelerator.wait_for_everyone()
         ckpt.write_rng_state(directory, accelerator.process_index)
+        weights, optimizer = self._training_state(directory)
         accelerator.wait_for_everyone()
         published = self.checkpoints_dir / f"step-{state['step']}"
         if accelerator.is_main_process:
-            optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            optimizer_state = {"scheduler": self.scheduler.state_dict()}
+            if optimizer is not None:  # None: in the processes' `optimizer-<rank>.pt` (DeepSpeed ZeRO)
+                optimizer_state["optimizer"] = optimizer
             if accelerator.scaler is not None:
                 optimizer_state["scaler"] = accelerator.scaler.state_dict()
-            ckpt.write_main_state(directory, self.unwrapped, optimizer_state, state)
+            ckpt.write_main_state(directory, weights, optimizer_state, state)
             best = (state["best_step"],) if state.get("best_step") else ()
             published = ckpt.publish_checkpoint(directory, self.config.keep_checkpoints, protect=best)
         accelerator.wait_for_everyone()
@@ -578,9 +645,30 @@ class TrainingRun:
 
     def _restore_checkpoint(self, path: Path) -> None:
         # Weights, optimizer, scheduler, loss scaler and this process's RNG state from a verified checkpoint.
-        ckpt.load_model_state(self.unwrapped, ckpt.load_weights(path))
+        accelerator = self.accelerator
         saved = ckpt.load_optimizer_state(path)
-        self.optimizer.load_state_dict(saved["optimizer"])
+        if accelerator.distributed_type == DistributedType.FSDP:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            # Every process reads the whole state and keeps its shards; the tied copies of the embedding are not saved.
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            ckpt.check_loaded_names(*set_model_state_dict(self.model, ckpt.load_weights(path), options=options))
+            set_optimizer_state_dict(self.model, self.optimizer.optimizer, saved["optimizer"], options=options)
+        elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # This process's partition; the module's weights are copied from the masters, as after an optimizer step.
+            zero, partition = self.optimizer.optimizer, ckpt.load_optimizer_state(path, accelerator.process_index)
+            zero.optimizer.load_state_dict(partition["optimizer"])
+            for master, saved_master in zip(zero.single_partition_of_fp32_groups, partition["masters"], strict=True):
+                master.data.copy_(saved_master)
+            vars(zero.loss_scaler).update(partition["loss_scaler"])
+            zero.update_lp_params()
+        else:
+            ckpt.load_model_state(self.unwrapped, ckpt.load_weights(path))
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         if self.accelerator.scaler is not None and "scaler" in saved:
             self.accelerator.scaler.load_state_dict(saved["scaler"])
@@ -600,9 +688,10 @@ class TrainingRun:
         accelerator = self.accelerator
         if accelerator.is_main_process:
             last = ckpt.list_checkpoints(self.checkpoints_dir)[-self.config.average_last :]
-            ckpt.load_model_state(self.unwrapped, ckpt.average_checkpoints(last))
-            self._choose_decoding()
-            save_translator(self.unwrapped, self.tokenizer, self.output_dir)
+            model = self._whole_model()
+            ckpt.load_model_state(model, ckpt.average_checkpoints(last))
+            self._choose_decoding(model)
+            save_translator(model, self.tokenizer, self.output_dir)
             write_model_card(self.output_dir)
             try:
                 plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
@@ -612,10 +701,10 @@ class TrainingRun:
         accelerator.end_training()  # closes the trackers and the process group
         return self.output_dir
 
-    def _choose_decoding(self) -> None:
+    def _choose_decoding(self, model: VaswaniForConditionalGeneration) -> None:
         # §6.1's beam size and length penalty, chosen on the development set: the best pair becomes the model's
         # generation config, and every pair tried is recorded in training_config.json.
-        config, generation = self.config, self.unwrapped.generation_config
+        config, generation = self.config, model.generation_config
         if not (config.choose_num_beams or config.choose_length_penalty):
             return
         if self.valid_batches is None:
@@ -623,9 +712,9 @@ class TrainingRun:
             return
         from .translation import choose_decoding
 
-        self.unwrapped.eval()
+        model.eval()
         choice = choose_decoding(
-            self.unwrapped,
+            model,
             self.tokenizer,
             self.validation_sources,
             self.validation_references,
@@ -641,6 +730,10 @@ class TrainingRun:
         path = self.output_dir / "training_config.json"
         saved = json.loads(path.read_text())
         path.write_text(json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
+
+
+# What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.
+_ZERO_LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def _broadcast(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
