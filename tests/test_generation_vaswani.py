@@ -118,6 +118,11 @@ def test_finished_beam_hypotheses_score_log_probability_over_the_length_penalty(
         {"min_new_tokens": 12, "min_length": 6, "num_return_sequences": 2},
         {"forced_bos_token_id": 5, "min_new_tokens": 3},
         {"repetition_penalty": 1.3, "num_beams": 3},  # a processor that returns a non-contiguous view
+        # transformers' default stopping: a sentence goes on while its best beam may still beat a finished one.
+        {"early_stopping": False},
+        {"early_stopping": False, "length_penalty_type": "hf", "length_penalty": 1.0, "num_return_sequences": 3},
+        {"early_stopping": "never", "num_return_sequences": 2, "length_penalty": 2.0},
+        {"early_stopping": "never", "length_penalty": -0.5},
         # Per-sentence state: every sentence stays in the batch, and a full one takes no more hypotheses.
         {"encoder_no_repeat_ngram_size": 3, "num_return_sequences": 4, "length_penalty": 2.0},
     ],
@@ -276,12 +281,17 @@ def test_generate_from_four_threads_at_once_gives_each_call_what_it_gives_alone(
             length_penalty_type=penalty_type, early_stopping=early_stopping, num_return_sequences=4, length_penalty=2.0
         )
         for penalty_type in ("gnmt", "hf")
-        for early_stopping in (True, False)  # the fast loop, and transformers' own
-    ]
-    alone = [model.generate(**inputs, **call) for call in calls]
+        for early_stopping in (True, False)
+    ] + [dict(length_penalty_type="hf", output_scores=True, return_dict_in_generate=True)]  # transformers' own loop
+    calls[-1]["num_beams"] = 3
+
+    def sequences(output):
+        return output if torch.is_tensor(output) else output.sequences
+
+    alone = [sequences(model.generate(**inputs, **call)) for call in calls]
     assert not torch.equal(alone[0], alone[2]) and not torch.equal(alone[1], alone[3])  # the two penalties differ
     with ThreadPoolExecutor(max_workers=4) as pool:
         for _ in range(3):
             futures = [pool.submit(model.generate, **inputs, **call) for call in calls]
             for future, expected in zip(futures, alone, strict=True):
-                assert torch.equal(future.result(), expected)
+                assert torch.equal(sequences(future.result()), expected)

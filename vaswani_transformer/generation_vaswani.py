@@ -154,9 +154,10 @@ class VaswaniGenerationMixin(GenerationMixin):
             **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`,
                 `length_penalty_type`, `max_length_a`, ...).
 
-        Beam search with `early_stopping=True` that returns only the sequences (the paper's, and
-        what `translate`, the pipeline and `evaluate` ask for) runs `beam_search`, which gives HF's
-        hypotheses faster; anything else runs HF's own loop.
+        Beam search that returns only the sequences (what `translate`, the pipeline and `evaluate`
+        ask for), with any `early_stopping` (the paper's True, transformers' default False, or
+        "never"), runs `beam_search`, which gives HF's hypotheses faster; anything else (scores,
+        sampling, constraints) runs HF's own loop.
 
         Returns:
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
@@ -235,13 +236,13 @@ def _plain_beam_search(
     synced_gpus: bool,
     model_kwargs: dict,
 ) -> bool:
-    # What `beam_search` does exactly as HF's loop does: deterministic search that stops a sentence
-    # at num_beams finished hypotheses, ends on </s> or the length limit, returns only sequences.
+    # What `beam_search` does exactly as HF's loop does: deterministic search that stops a sentence as
+    # `early_stopping` says, ends on </s> or the length limit, returns only sequences.
     config = generation_config
     return (
         input_ids.shape[1] < config.max_length
         and not config.do_sample
-        and config.early_stopping is True
+        and config.early_stopping in (True, False, "never")
         and not config.return_dict_in_generate
         and config._eos_token_tensor is not None
         and not synced_gpus
@@ -533,27 +534,30 @@ class FinishedHypotheses:
 
 
 class BeamSearch:
-    """Beam search with a key/value cache, stopping a sentence at num_beams finished hypotheses (§6.1).
+    """Beam search with a key/value cache, stopping each sentence as `early_stopping` says (§6.1).
 
-    `run()` chooses the candidates that `GenerationMixin._beam_search` chooses with `early_stopping=True`,
-    with less work per step (docs/performance.md, "Beam search"): the first step decodes one row per
-    sentence, not num_beams identical ones; the beams of a sentence share one copy of its encoder output
-    and of the cross-attention keys and values; a sentence with num_beams finished hypotheses leaves the
-    batch (its rows of the caches, the encoder output and the mask go); the self-attention keys and
-    values stay where they were written, each beam attending to its ancestors' (`BeamSearchCache`);
-    token masks among the logits processors fill the columns they forbid; a candidate's sequence is
-    built only when it ends, and finished hypotheses are merged only on steps where some end. A
-    hypothesis Y that ends scores log P(Y|X) / |Y| ** length_penalty, |Y| counting the generated tokens
-    with `</s>`: transformers' penalty, or the paper's when `length_penalty` is a `GNMTLengthPenalty`.
-    Sentences stay in the batch, and the first step runs every row, as in HF's loop, when a logits
-    processor keeps state per sentence that this function cannot narrow.
+    `run()` chooses the candidates that `GenerationMixin._beam_search` chooses, with less work per step
+    (docs/performance.md, "Beam search"): the first step decodes one row per sentence, not num_beams identical ones;
+    the beams of a sentence share one copy of its encoder output and of the cross-attention keys and values; a
+    sentence that is done (see below) leaves the batch (its rows of the caches, the encoder output and the
+    mask go); the self-attention keys and values stay where they were written, each beam attending to its ancestors'
+    (`BeamSearchCache`); token masks among the logits processors fill the columns they forbid; a candidate's
+    sequence is built only when it ends, and finished hypotheses are merged only on steps where some end. A
+    hypothesis Y that ends scores log P(Y|X) / |Y| ** length_penalty, |Y| counting the generated tokens with `</s>`:
+    transformers' penalty, or the paper's when `length_penalty` is a `GNMTLengthPenalty`. A sentence is done, as in
+    HF's loop, once it has num_beams finished hypotheses (`early_stopping=True`, the paper's "terminate early when
+    possible") and, with False or "never", once its best running beam, penalised at the current length (at the
+    length limit for "never" with a positive penalty), can no longer beat the worst of them; a done sentence takes
+    no more hypotheses. Sentences stay in the batch, and the first step runs every row, as in HF's loop, when a
+    logits processor keeps state per sentence that this function cannot narrow.
 
     Args:
         model: gives the forward pass and the cache reordering.
         input_ids: `(batch * num_beams, prompt_len)` decoder prompt, the decoder start token in each row.
         logits_processor: applied to the log-probabilities of every step, as HF's loop applies them.
         generation_config: gives `num_beams`, `length_penalty` (alpha, a float or a `GNMTLengthPenalty`),
-            `max_length` (prompt included), `num_return_sequences` and the `</s>` and `<pad>` ids.
+            `early_stopping`, `max_length` (prompt included), `num_return_sequences` and the `</s>` and
+            `<pad>` ids.
         **model_kwargs: `encoder_outputs` and `attention_mask` expanded to the beams, and
             `past_key_values`, an empty `EncoderDecoderCache` whose cross-attention cache is used, as
             `generate` prepares them.
@@ -573,9 +577,10 @@ class BeamSearch:
         config = generation_config
         self.model, self.num_beams, self.length_penalty = model, config.num_beams, config.length_penalty
         self.max_length, self.num_return_sequences = config.max_length, config.num_return_sequences
-        self.eos = config._eos_token_tensor
+        self.early_stopping, self.eos = config.early_stopping, config._eos_token_tensor
         rows, self.prompt_len = input_ids.shape
         batch, device = rows // self.num_beams, input_ids.device
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # no better hypothesis to expect
         # Keep enough candidates that num_beams survive even if every end-of-sentence token is among them.
         self.num_candidates = max(2, 1 + self.eos.numel()) * self.num_beams
         self.can_drop = all(isinstance(p, (*_ROW_WISE_PROCESSORS, SourceLengthLimit)) for p in logits_processor)
@@ -643,16 +648,22 @@ class BeamSearch:
 
     def _finish(self, length: int, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> Tensor:
         # A candidate among the best num_beams that ends joins its sentence's finished hypotheses, of which
-        # the best num_beams are kept, until the sentence has num_beams of them. Returns which are done.
-        k = self.num_beams
-        just_finished = ends[:, :k] & ~self.finished.done(self.active)[:, None]
+        # the best num_beams are kept, until the sentence is done. Returns which are done.
+        k, generated = self.num_beams, length + 1 - self.prompt_len
+        just_finished = ends[:, :k] & ~self.done[self.active, None]
         if just_finished.any():
-            generated = length + 1 - self.prompt_len
             hypotheses = self.sequences[rows[:, :k]]
             hypotheses[..., length] = tokens[:, :k]
             penalised = scores[:, :k] / generated**self.length_penalty
             self.finished.add(self.active, hypotheses, penalised, generated, just_finished)
-        return self.finished.done(self.active)
+        full = self.finished.done(self.active)
+        if self.early_stopping is not True:  # HF's `_check_early_stop_heuristic`
+            longest = self.early_stopping == "never" and self.length_penalty > 0.0
+            best_length = self.max_length - self.prompt_len if longest else generated
+            best_running = (scores - 1.0e9 * ends).max(dim=1).values / best_length**self.length_penalty
+            full &= best_running <= self.finished.scores[self.active].min(dim=1).values
+        self.done[self.active] |= full
+        return self.done[self.active]
 
     def _advance(self, length: int, done: Tensor, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> None:
         # The best num_beams candidates that go on become the beams of the next step; sentences that are
