@@ -766,13 +766,11 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         return Seq2SeqLMOutput(loss=loss, logits=logits, **rest)
 
     def _loss_without_logits(self, hidden_states: torch.Tensor) -> bool:
-        # In training, the fused projection and loss spare the (tokens x vocabulary) logits, the largest tensor
-        # of a step. It reads lm_head's weight without calling lm_head, so not where a hook of lm_head must run
-        # first (DeepSpeed ZeRO-3 gathers the partitioned weight there, Accelerate's offloading brings it to the
-        # device), nor for an output layer with a bias of its own. Not in float16 either: its unscaled logit
-        # gradients, about 1 / vocabulary, would fall among float16's subnormals, where the materialised
-        # logits get them multiplied by the loss scale first. Nor under torch.compile, which cannot trace its
-        # loop over chunks of data-dependent size and fuses the plain projection and loss itself.
+        # In training, the fused projection and loss spare the (tokens x vocabulary) logits, a step's largest tensor.
+        # It reads lm_head's weight without calling lm_head: not where a hook of lm_head must run first (ZeRO-3
+        # gathers the weight there, Accelerate's offloading moves it), nor with a bias of its own; not in float16,
+        # whose subnormals would swallow its unscaled logit gradients (~1 / vocabulary), which materialised logits get
+        # multiplied by the loss scale; not under torch.compile, which cannot trace its data-dependent chunks.
         device = hidden_states.device.type
         return (
             torch.is_grad_enabled()
