@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from vaswani_transformer.cli import main
+from vaswani_transformer.export import load_ctranslate2_engine
+from vaswani_transformer.translation import translate
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -56,3 +58,29 @@ def test_ctranslate2_scores_are_our_log_probabilities(trained_model_dir, exporte
 def test_export_refuses_to_overwrite_and_explains(trained_model_dir, exported, capsys):
     assert main(["export-ctranslate2", str(trained_model_dir), str(exported)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_translate_with_the_ctranslate2_engine_gives_the_torch_translations(
+    trained_model_dir, corpus, tmp_path, capsys
+):
+    # The model's own decoding (§6.1): GNMT length penalty, which CTranslate2 lacks and the engine applies itself.
+    assert GenerationConfig.from_pretrained(trained_model_dir).length_penalty_type == "gnmt"
+    sources = corpus["test_2016_flickr"]["en"][:96]
+    source_file = tmp_path / "test.en"
+    source_file.write_text("\n".join(sources) + "\n")
+    translations = {}
+    for engine in ("torch", "ctranslate2"):
+        arguments = ["translate", "--model", str(trained_model_dir), "--input", str(source_file), "--engine", engine]
+        assert main([*arguments, "--ctranslate2-dir", str(tmp_path / "ct2")]) == 0
+        translations[engine] = capsys.readouterr().out.splitlines()
+    assert (tmp_path / "ct2" / "model.bin").is_file()  # the export, cached for the next call
+    assert len(translations["torch"]) == len(sources)
+    assert sum(len(t.split()) for t in translations["torch"]) > 5 * len(sources)  # real translations
+    assert translations["ctranslate2"] == translations["torch"]
+
+
+def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, exported):
+    engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    with pytest.raises(ValueError, match="num_beams"):
+        translate(engine, tokenizer, ["A dog runs."], num_beams=2)
+    assert translate(engine, tokenizer, ["A dog runs.", " "])[1] == ""

@@ -49,6 +49,19 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=["torch", "ctranslate2"],
+        default="torch",
+        help="torch: the model's generate(); ctranslate2: its CTranslate2 export (the same translations, faster), "
+        "made on first use in MODEL/ctranslate2/ (default: torch)",
+    )
+    parser.add_argument(
+        "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"
+    )
+
+
 def _training_option_names() -> list[str]:
     # The `TrainingConfig` fields that are options of `train`: those with help text.
     return [option.name for option in fields(TrainingConfig) if "help" in option.metadata]
@@ -131,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw each sentence's encoder-decoder attention (last layer, every head) as DIR/sentence-N.png",
     )
     _add_decoding_options(translate)
+    _add_engine_options(translate)
 
     push = commands.add_parser("push", help="upload a trained model directory to the Hugging Face Hub")
     push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
@@ -178,16 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=5000, help="TCP port; 0 lets the system choose (default: 5000)")
-    serve.add_argument(
-        "--engine",
-        choices=["torch", "ctranslate2"],
-        default="torch",
-        help="torch: the model's generate(); ctranslate2: its CTranslate2 export, made on first use in "
-        "MODEL/ctranslate2/ (default: torch)",
-    )
-    serve.add_argument(
-        "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"
-    )
+    _add_engine_options(serve)
     serve.add_argument(
         "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
     )
@@ -310,10 +315,19 @@ def _translate(args: argparse.Namespace) -> None:
     from .hub import ensure_writable
     from .translation import load_translator, translate_stream
 
+    if args.attention_dir and args.engine != "torch":
+        raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
     if args.attention_dir:
         ensure_writable(args.attention_dir)
     lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
-    model, tokenizer = load_translator(args.model, args.device)
+    if args.engine == "ctranslate2":
+        from .export import load_ctranslate2_engine
+
+        model, tokenizer = load_ctranslate2_engine(args.model, args.device, args.num_beams, args.ctranslate2_dir)
+        generate_kwargs = {}  # the engine took the beam size
+    else:
+        model, tokenizer = load_translator(args.model, args.device)
+        generate_kwargs = _generate_kwargs(args)
     if args.attention_dir:
         from .plotting import attention_maps, plot_attention
 
@@ -328,7 +342,7 @@ def _translate(args: argparse.Namespace) -> None:
     # A progress bar (on stderr) for files; stdin is answered line by line without one.
     lines = tqdm(lines, unit="line", desc="Translating", disable=args.input == "-")
     stream = translate_stream(
-        model, tokenizer, remembered(lines), _batch_size(args), args.long_inputs, **_generate_kwargs(args)
+        model, tokenizer, remembered(lines), _batch_size(args), args.long_inputs, **generate_kwargs
     )
     for number, translation in enumerate(stream, 1):
         print(translation, flush=True)

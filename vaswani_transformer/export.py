@@ -17,14 +17,23 @@ each needed for CTranslate2 to decode as our `generate()` does:
 
 Beam size, length penalty and length limits are options of CTranslate2's `translate_batch`, not
 of the model: `beam_size=4` with `length_penalty=1.0` (its default) gives our `generate()` with
-`length_penalty_type="hf"`; CTranslate2 has no GNMT length penalty (§6.1).
+`length_penalty_type="hf"`. CTranslate2 has no GNMT length penalty (§6.1); `CTranslate2Engine`,
+which `translate --engine ctranslate2` and `serve --engine ctranslate2` use, ranks CTranslate2's
+finished hypotheses by it instead, so that it translates as our `generate()` does.
 """
 
+import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .convert import to_marian
+from .generation_vaswani import gnmt_length_penalty
+
+logger = logging.getLogger(__name__)
 
 # CTranslate2 cannot extrapolate: it reads positions from a table this long (our model computes them).
 DEFAULT_MAX_POSITIONS = 1024
@@ -126,3 +135,138 @@ def export_ctranslate2(
     _register_loader(max_positions)
     converter = ct2.TransformersConverter(str(model_dir))
     return Path(converter.convert(str(output_dir), quantization=quantization, force=force))
+
+
+class CTranslate2Engine:
+    """Translates with CTranslate2 from the model's export (`export_ctranslate2`), as `generate()` decodes (§6.1).
+
+    Beam size `num_beams` of the generation config (4), and its length penalty alpha (0.6). With
+    `length_penalty_type="gnmt"` (the paper's, which CTranslate2 lacks) CTranslate2 searches with
+    no length normalisation and returns its `num_beams` finished hypotheses with their
+    log-probabilities, and the engine keeps the best by log P(Y|X) / ((5 + |Y|) / 6) ** alpha, |Y|
+    counting `</s>`: the hypothesis our beam search returns, since both search by the beams'
+    log-probabilities, stop a sentence once `num_beams` hypotheses have ended (`early_stopping=True`)
+    and apply the penalty only to finished ones. With "hf", CTranslate2's own score / |Y| ** alpha is
+    transformers'. The output is at most the batch's longest source + `max_length_b` (50) tokens,
+    where `generate()` limits each sentence by its own source: outputs that long differ.
+
+    Args:
+        ct2_dir: a directory written by `export_ctranslate2`.
+        tokenizer: the model's tokenizer (CTranslate2 reads and writes token strings).
+        generation_config: the model's `GenerationConfig`.
+        num_beams: overrides the generation config's beam size.
+        device: "cpu" or "cuda".
+
+    Raises:
+        ImportError: ctranslate2 is not installed.
+    """
+
+    name = "ctranslate2"
+
+    def __init__(
+        self,
+        ct2_dir: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        generation_config: GenerationConfig,
+        num_beams: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        ctranslate2, _ = _import_ctranslate2()
+        self.tokenizer = tokenizer
+        self.translator = ctranslate2.Translator(str(ct2_dir), device=device, intra_threads=torch.get_num_threads())
+        self.beam_size = num_beams or generation_config.num_beams or 1
+        self.length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
+        self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
+        self.extra_length = generation_config.max_length_b or 50
+        # The export's position table bounds sources and outputs alike.
+        self.max_positions = DEFAULT_MAX_POSITIONS
+        self.source_limit = min(tokenizer.model_max_length, self.max_positions)
+
+    def translate(self, sentences: list[str]) -> list[str]:
+        """One translation per sentence, in order, from one `translate_batch` call; blank sentences give ""."""
+        indices = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        translations = [""] * len(sentences)
+        if not indices:
+            return translations
+        batch = [sentences[i] for i in indices]
+        ids = self.tokenizer(batch, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
+        tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
+        results = self.translator.translate_batch(
+            tokens,
+            beam_size=self.beam_size,
+            length_penalty=0.0 if self.gnmt else self.length_penalty,
+            num_hypotheses=self.beam_size if self.gnmt else 1,
+            return_scores=self.gnmt,
+            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_positions),
+            max_batch_size=len(tokens),
+        )
+        for i, result in zip(indices, results, strict=True):
+            best = result.hypotheses[0]
+            if self.gnmt:  # + 1: CTranslate2 leaves </s> out of its hypotheses
+                penalised = [s / gnmt_length_penalty(len(h) + 1, self.length_penalty) for h, s in
+                             zip(result.hypotheses, result.scores, strict=True)]  # fmt: skip
+                best = result.hypotheses[max(range(len(penalised)), key=penalised.__getitem__)]
+            output_ids = self.tokenizer.convert_tokens_to_ids(best)
+            translations[i] = self.tokenizer.decode(output_ids, skip_special_tokens=True).strip()
+        return translations
+
+
+def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
+    """The CTranslate2 export of `model`, made on first use and again when the weights are newer.
+
+    Args:
+        model: a model directory, or a Hub id (downloaded with `snapshot_download`).
+        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+
+    Returns:
+        The export's directory.
+
+    Raises:
+        ImportError: ctranslate2 is not installed.
+        ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model (it is
+            never overwritten then), or from `export_ctranslate2`.
+        OSError: from `export_ctranslate2`.
+    """
+    if Path(model).is_dir():
+        local = Path(model)
+    else:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(model))
+    target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
+    weights = local / "model.safetensors"
+    exported = target / "model.bin"
+    if exported.is_file() and (not weights.is_file() or exported.stat().st_mtime >= weights.stat().st_mtime):
+        return target
+    if target.exists() and not exported.is_file() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{target} exists and holds no CTranslate2 model; give a new or empty --ctranslate2-dir.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Into a private directory first, so that a process that dies half-way leaves no half export behind.
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    export_ctranslate2(local, partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    logger.info("Exported %s to CTranslate2 in %s", model, target)
+    return target
+
+
+def load_ctranslate2_engine(
+    model: str, device: str | None = None, num_beams: int | None = None, ct2_dir: str | Path | None = None
+) -> tuple[CTranslate2Engine, PreTrainedTokenizerBase]:
+    """`CTranslate2Engine` of `model` (exported on first use, see `ctranslate2_export`) and the model's tokenizer.
+
+    Args:
+        model: a model directory or Hub id.
+        device: "cpu" (default) or "cuda".
+        num_beams: beam size; default the model's generation config (4, §6.1).
+        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+
+    Raises:
+        ImportError: ctranslate2 is missing.
+        OSError, ValueError: from `ctranslate2_export`.
+    """
+    exported = ctranslate2_export(model, ct2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    generation_config = GenerationConfig.from_pretrained(model)
+    return CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device or "cpu"), tokenizer

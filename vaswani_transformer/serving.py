@@ -21,9 +21,7 @@ import contextlib
 import copy
 import json
 import logging
-import os
 import queue
-import shutil
 import signal
 import socket
 import threading
@@ -33,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 try:
@@ -46,9 +45,12 @@ except ImportError as error:
         "`vaswani-transformer serve` needs FastAPI and uvicorn: pip install 'vaswani-transformer[serve]'."
     ) from error
 
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .text_format import split_text
+
+if TYPE_CHECKING:
+    from .export import CTranslate2Engine
 
 logger = logging.getLogger(__name__)
 
@@ -154,120 +156,6 @@ class TorchEngine:
         return translate(
             self.model, self.tokenizer, sentences, batch_size, long_inputs="truncate", **self.generate_kwargs
         )
-
-
-class CTranslate2Engine:
-    """Translates with CTranslate2 from the model's export (`export.export_ctranslate2`).
-
-    Decoding: beam size `num_beams` of the generation config (4), and CTranslate2's length
-    normalisation score / |Y|^alpha with the config's alpha (0.6); CTranslate2 has no GNMT penalty
-    ((5 + |Y|) / 6)^alpha of §6.1, so a translation can differ from the torch engine's. The output
-    is at most the batch's longest source + `max_length_b` (50) tokens, where `generate()` limits
-    each sentence by its own source.
-
-    Args:
-        ct2_dir: a directory written by `export_ctranslate2`.
-        tokenizer: the model's tokenizer (CTranslate2 reads and writes token strings).
-        generation_config: the model's `GenerationConfig`.
-        num_beams: overrides the generation config's beam size.
-        device: "cpu" or "cuda".
-
-    Raises:
-        ImportError: ctranslate2 is not installed.
-    """
-
-    name = "ctranslate2"
-
-    def __init__(
-        self,
-        ct2_dir: str | Path,
-        tokenizer: PreTrainedTokenizerBase,
-        generation_config: GenerationConfig,
-        num_beams: int | None = None,
-        device: str = "cpu",
-    ) -> None:
-        import torch
-
-        from .export import DEFAULT_MAX_POSITIONS
-
-        try:
-            import ctranslate2
-        except ImportError as error:
-            raise ImportError(
-                "--engine ctranslate2 needs the ctranslate2 package: pip install 'vaswani-transformer[serve]'."
-            ) from error
-
-        self.tokenizer = tokenizer
-        self.translator = ctranslate2.Translator(str(ct2_dir), device=device, intra_threads=torch.get_num_threads())
-        self.beam_size = num_beams or generation_config.num_beams or 1
-        self.length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
-        self.extra_length = generation_config.max_length_b or 50
-        # The export's position table (`export.DEFAULT_MAX_POSITIONS`) bounds sources and outputs alike.
-        self.max_positions = DEFAULT_MAX_POSITIONS
-        self.source_limit = min(tokenizer.model_max_length, self.max_positions)
-
-    def translate(self, sentences: list[str]) -> list[str]:
-        """One translation per sentence, in order, from one `translate_batch` call; blank sentences give ""."""
-        indices = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        translations = [""] * len(sentences)
-        if not indices:
-            return translations
-        batch = [sentences[i] for i in indices]
-        ids = self.tokenizer(batch, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
-        tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
-        results = self.translator.translate_batch(
-            tokens,
-            beam_size=self.beam_size,
-            length_penalty=self.length_penalty,
-            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_positions),
-            max_batch_size=len(tokens),
-        )
-        for i, result in zip(indices, results, strict=True):
-            output_ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
-            translations[i] = self.tokenizer.decode(output_ids, skip_special_tokens=True).strip()
-        return translations
-
-
-def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
-    """The CTranslate2 export of `model`, made on first use and again when the weights are newer.
-
-    Args:
-        model: a model directory, or a Hub id (downloaded with `snapshot_download`).
-        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
-
-    Returns:
-        The export's directory.
-
-    Raises:
-        ImportError: ctranslate2 is not installed.
-        ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model (it is
-            never overwritten then), or from `export.export_ctranslate2`.
-        OSError: from `export.export_ctranslate2`.
-    """
-    from .export import export_ctranslate2
-
-    if Path(model).is_dir():
-        local = Path(model)
-    else:
-        from huggingface_hub import snapshot_download
-
-        local = Path(snapshot_download(model))
-    target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
-    weights = local / "model.safetensors"
-    exported = target / "model.bin"
-    if exported.is_file() and (not weights.is_file() or exported.stat().st_mtime >= weights.stat().st_mtime):
-        return target
-    if target.exists() and not exported.is_file() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{target} exists and holds no CTranslate2 model; give a new or empty --ctranslate2-dir.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Into a private directory first, so that a server that dies half-way leaves no half export behind.
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    export_ctranslate2(local, partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    logger.info("Exported %s to CTranslate2 in %s", model, target)
-    return target
 
 
 @dataclass
@@ -694,12 +582,9 @@ def load_engine(
     if engine == "torch":
         translator, tokenizer = load_translator(model, device)
         return TorchEngine(translator, tokenizer, {} if num_beams is None else {"num_beams": num_beams}), tokenizer
-    from transformers import AutoTokenizer
+    from .export import load_ctranslate2_engine
 
-    ct2_dir = ctranslate2_export(model, ctranslate2_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    generation_config = GenerationConfig.from_pretrained(model)
-    return CTranslate2Engine(ct2_dir, tokenizer, generation_config, num_beams, device or "cpu"), tokenizer
+    return load_ctranslate2_engine(model, device, num_beams, ctranslate2_dir)
 
 
 class _Server(uvicorn.Server):

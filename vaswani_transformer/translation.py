@@ -18,6 +18,8 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
+from .export import CTranslate2Engine
+
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 # What `translate` does with a source longer than the model's limit (`--long-inputs`).
 LONG_INPUT_CHOICES = ("truncate", "error")
@@ -110,15 +112,16 @@ def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
 
 
 class _Translator:
-    """Translates batches of sentences with `generate()`, applying the user's choice for too-long sources.
+    """Translates batches of sentences with `generate()`, or a `CTranslate2Engine`, applying the user's choice for
+    too-long sources.
 
-    Sources longer than `source_length_limit` are truncated to it with one warning per instance
-    (one per `translate` call or stream), or raise, as `long_inputs` says.
+    Sources longer than `source_length_limit` (the engine's `source_limit`) are truncated to it with one warning
+    per instance (one per `translate` call or stream), or raise, as `long_inputs` says.
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | CTranslate2Engine,
         tokenizer: PreTrainedTokenizerBase,
         batch_size: int,
         long_inputs: str,
@@ -128,11 +131,19 @@ class _Translator:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
         if long_inputs not in LONG_INPUT_CHOICES:
             raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUT_CHOICES)}, got {long_inputs!r}.")
+        if isinstance(model, CTranslate2Engine) and generate_kwargs:
+            raise ValueError(
+                f"A CTranslate2 engine takes no generate() arguments ({', '.join(generate_kwargs)}): pass num_beams "
+                "to export.load_ctranslate2_engine, or translate with the model from load_translator."
+            )
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.long_inputs, self.generate_kwargs = long_inputs, generate_kwargs
-        self.limit = source_length_limit(model, tokenizer)
-        learned = self.limit is not None and self.limit < tokenizer.model_max_length
-        self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
+        if isinstance(model, CTranslate2Engine):
+            self.limit, self.limit_name = model.source_limit, "the CTranslate2 export's limit"
+        else:
+            self.limit = source_length_limit(model, tokenizer)
+            learned = self.limit is not None and self.limit < tokenizer.model_max_length
+            self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
         self.warned = False
 
     def check_lengths(self, sentences: list[str], first_number: int) -> None:
@@ -165,7 +176,10 @@ class _Translator:
         with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
             for start in range(0, len(order), self.batch_size):
                 indices = [i for i in order[start : start + self.batch_size] if sentences[i].strip()]
-                if indices:
+                if indices and isinstance(self.model, CTranslate2Engine):
+                    for i, text in zip(indices, self.model.translate([sentences[i] for i in indices]), strict=True):
+                        translations[i] = text
+                elif indices:
                     inputs = self.tokenizer(
                         [sentences[i] for i in indices],
                         return_tensors="pt",
@@ -182,7 +196,7 @@ class _Translator:
 
 
 def translate(
-    model: PreTrainedModel,
+    model: PreTrainedModel | CTranslate2Engine,
     tokenizer: PreTrainedTokenizerBase,
     sentences: list[str],
     batch_size: int = 64,
@@ -197,7 +211,8 @@ def translate(
     any is translated, so `long_inputs="error"` fails before doing work.
 
     Args:
-        model, tokenizer: from `load_translator`.
+        model, tokenizer: from `load_translator`, or from `export.load_ctranslate2_engine` (CTranslate2's speed,
+            the same translations: see `export.CTranslate2Engine`; then no `generate_kwargs`).
         sentences: source sentences; an empty (or blank) string translates to an empty string, an
             empty list to an empty list, without calling the model.
         batch_size: sentences per `generate()` call.
@@ -210,8 +225,8 @@ def translate(
         One translation per sentence, detokenized, in the input's order.
 
     Raises:
-        ValueError: `batch_size` < 1, an unknown `long_inputs`, or (with "error") a source over
-            the limit; the message names the sentence (1-based) and its length.
+        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with a CTranslate2 engine, or
+            (with "error") a source over the limit; the message names the sentence (1-based) and its length.
     """
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
     translator.check_lengths(sentences, first_number=1)
@@ -219,7 +234,7 @@ def translate(
 
 
 def translate_stream(
-    model: PreTrainedModel,
+    model: PreTrainedModel | CTranslate2Engine,
     tokenizer: PreTrainedTokenizerBase,
     lines: Iterable[str],
     batch_size: int = 64,
