@@ -13,7 +13,8 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
   `F.cross_entropy(..., label_smoothing=0.1)` on its logits (Marian's own loss is unsmoothed).
   Both apply dropout in the same places at the same rate; ours draws its CPU masks with fewer generator
   calls (`ops_vaswani.residual_dropout`), Marian with `F.dropout`.
-- decoding: generated tokens per second of beam search (beam 4) and greedy search, batches of 32
+- decoding: generated tokens per second of beam search (beam 4; `beam-es-false` with transformers'
+  default early_stopping=False) and greedy search, batches of 32
   Multi30k test sentences. Untrained weights would stop at random lengths, so every engine is
   forced to produce exactly `--decode-length` tokens per sentence (HF: min_new_tokens =
   max_new_tokens; CTranslate2: min_decoding_length = max_decoding_length); each child checks the
@@ -21,7 +22,9 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
 - translation (with `--model`, a trained model directory): sentences per second of beam search
   (beam 4, length normalisation alpha 1, up to 128 tokens) on Multi30k test sentences in batches
   of 32, each sentence ending where the model ends it, as in real use: here a search that stops
-  working on finished sentences gains. The three engines run the same trained weights.
+  working on finished sentences gains. Every engine runs the same trained weights (CTranslate2 int8
+  quantizes them when loading); the sacreBLEU of each engine's translations of those sentences
+  shows what quantization costs.
 
     python scripts/benchmark.py --presets small base --threads 2 [--model outputs/multi30k-en-de]
 
@@ -66,8 +69,11 @@ ENGINES = {"ours": "Ours", "marian": "HF Marian", "ct2": "CT2", "ct2-int8": "CT2
 TASKS = {
     "train": ("ours", "marian"),
     "beam": tuple(ENGINES),
+    # transformers' default early_stopping=False, which CTranslate2 does not have: the forced lengths make it search
+    # as long as "beam", but it decides at every step whether a sentence is done by another rule.
+    "beam-es-false": ("ours", "marian"),
     "greedy": tuple(ENGINES),
-    "translate": ("ours", "marian", "ct2"),
+    "translate": tuple(ENGINES),
 }
 TRAINED = "trained"  # the --model directory's engines, beside the presets'
 
@@ -136,6 +142,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         test_tokens = [[trained_tokenizer.convert_ids_to_tokens(trained_tokenizer(s)["input_ids"]) for s in batch]
                        for batch in test_batches]  # fmt: skip
         (directory / "translate_tokens.json").write_text(json.dumps(test_tokens))
+        references = corpus["test_2016_flickr"]["de"][: len(test)]
+        (directory / "translate_references.json").write_text(json.dumps(references))
         info["translate_sentences"] = len(test)
     info["train_tokens_per_step"] = sum(real_tokens(b) for b in batches[args.train_warmup :]) / max(
         1, len(batches) - args.train_warmup
@@ -257,7 +265,12 @@ def markdown(report: dict) -> str:
             f"| Measure | Ours | HF Marian | {ct2} | {int8} | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        names = {"train": "training, tokens/s", "beam": "beam 4, generated tokens/s", "greedy": "greedy, tokens/s"}
+        names = {
+            "train": "training, tokens/s",
+            "beam": "beam 4, generated tokens/s",
+            "beam-es-false": "beam 4, early_stopping=False, tokens/s",
+            "greedy": "greedy, tokens/s",
+        }
         for task, name in names.items():
             row = results.get(task, {})
             rate = {engine: row[engine]["tokens_per_second"] if engine in row else None for engine in ENGINES}
@@ -288,15 +301,17 @@ def markdown(report: dict) -> str:
         rate = {engine: speed("translate", row[engine]) if engine in row else None for engine in ENGINES}
         rates = " | ".join(f"{rate[e]:,.1f}" if rate[e] else "–" for e in TASKS["translate"])
         tokens = " | ".join(str(row[e]["tokens"]) if e in row else "–" for e in TASKS["translate"])
+        bleu = " | ".join(f"{row[e]['bleu']:.2f}" if e in row else "–" for e in TASKS["translate"])
         lines += [
             f"**trained model** ({report['translate_model']}): beam 4 on {report['translate_sentences']} Multi30k "
             "test sentences, natural lengths",
             "",
-            f"| Measure | Ours | HF Marian | {ct2} | Ours / Marian | Ours / {ct2} |",
-            "|---|---:|---:|---:|---:|---:|",
+            f"| Measure | Ours | HF Marian | {ct2} | {int8} | Ours / Marian | Ours / {ct2} |",
+            "|---|---:|---:|---:|---:|---:|---:|",
             f"| translation, sentences/s | {rates} | {ratio(rate['ours'], rate['marian'])} | "
             f"{ratio(rate['ours'], rate['ct2'])} |",
             f"| generated tokens | {tokens} | | |",
+            f"| sacreBLEU of these translations | {bleu} | | |",
             "",
         ]
     if report["rounds"] > 1:
@@ -392,7 +407,7 @@ def parent(args: argparse.Namespace) -> None:
                             results[task][engine] = result
                     generated = {r["tokens"] for r in results.get(task, {}).values()}
                     # Forced lengths make the work equal; a trained model's engines may differ by a few tokens.
-                    if task in ("beam", "greedy") and len(generated) > 1:
+                    if task in ("beam", "beam-es-false", "greedy") and len(generated) > 1:
                         raise RuntimeError(f"{task} decoding gave different numbers of tokens per engine: {generated}")
         if args.train_turns and "train" in args.tasks and {"ours", "marian"} <= set(args.engines):
             report["train_turns"] = {}
@@ -606,9 +621,9 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
     config = model.config
     # One decoding configuration for both: same search, same processors, exactly decode_length tokens.
     model.generation_config = GenerationConfig(
-        num_beams=4 if task == "beam" else 1,
+        num_beams=1 if task == "greedy" else 4,
         do_sample=False,
-        early_stopping=True,
+        early_stopping=task != "beam-es-false",
         length_penalty=1.0,
         min_new_tokens=args.decode_length,
         max_new_tokens=args.decode_length,
@@ -639,14 +654,21 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
 
 def child_translate(engine: str, args: argparse.Namespace) -> dict:
     """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
+    import sacrebleu
+    from transformers import AutoTokenizer
+
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
+    tokenizer = AutoTokenizer.from_pretrained(args.workdir / "ours")
     if engine.startswith("ct2"):
         translator = ct2_translator(engine, args.workdir / "ct2", args)
         batches = json.loads((args.workdir / "translate_tokens.json").read_text())
 
         def run(batch):
             output = translator.translate_batch(batch, beam_size=4, length_penalty=1.0, max_decoding_length=128)
-            return sum(len(result.hypotheses[0]) + 1 for result in output)  # + 1: CTranslate2 omits </s>
+            return [result.hypotheses[0] for result in output]
+
+        def to_ids(hypothesis):  # CTranslate2 gives tokens, without </s>
+            return tokenizer.convert_tokens_to_ids(hypothesis) + [tokenizer.eos_token_id]
     else:
         import torch
         from transformers import GenerationConfig
@@ -670,18 +692,24 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
         def run(batch):
             with torch.inference_mode():
                 generated = model.generate(**batch)[:, 1:]
-            return int((generated.ne(config.pad_token_id) & generated.ne(config.eos_token_id)).sum()) + len(generated)
+            return generated.tolist()
+
+        def to_ids(row):  # </s> kept
+            return [t for t in row if t != config.pad_token_id]
 
     run(batches[0])  # warm-up
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        tokens = sum(run(batch) for batch in batches)  # each run reads its output back: no queued GPU work
+        outputs = [output for batch in batches for output in run(batch)]  # read back: no GPU work left queued
         times.append(time.perf_counter() - start)
-    sentences = sum(len(batch) if isinstance(batch, list) else len(batch["input_ids"]) for batch in batches)
+    outputs = [to_ids(output) for output in outputs]
+    references = json.loads((args.workdir / "translate_references.json").read_text())
+    translations = tokenizer.batch_decode(outputs, skip_special_tokens=True)
     best = min(times)
-    return {"sentences": sentences, "tokens": tokens, "seconds": best, "sentences_per_second": sentences / best,
-            "tokens_per_second": tokens / best, "all_seconds": times}  # fmt: skip
+    return {"sentences": len(outputs), "tokens": sum(map(len, outputs)), "seconds": best,
+            "sentences_per_second": len(outputs) / best, "tokens_per_second": sum(map(len, outputs)) / best,
+            "bleu": sacrebleu.corpus_bleu(translations, [references]).score, "all_seconds": times}  # fmt: skip
 
 
 def child_decode_ct2(engine: str, task: str, args: argparse.Namespace) -> dict:

@@ -36,16 +36,17 @@ _ONEDNN_MIN_PRODUCT = 2**21
 def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
     # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
-    # Compilation is asked first: a size compared while tracing would become a guard, and a recompilation.
+    # Compilation is asked first: a size compared while tracing would become a guard, and a recompilation. The
+    # size next: most products of a decoding step are small, and each test costs a little Python time.
     return (
         not torch.compiler.is_compiling()
+        and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
         and _ONEDNN_LINEAR is not None
         and torch.backends.mkldnn.enabled
         and input.device.type == weight.device.type == "cpu"
         and input.dim() >= 2
         and input.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
-        and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
         and not torch.is_autocast_enabled("cpu")
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
