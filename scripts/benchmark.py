@@ -163,7 +163,10 @@ def run_child(args: argparse.Namespace, workdir: Path, preset: str, engine: str,
     after = cpu_times()
     if done.returncode != 0:
         raise RuntimeError(f"{engine} {task} ({preset}) failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError) as error:
+        raise RuntimeError(f"{engine} {task} ({preset}) printed no result:\n{done.stdout[-3000:]}") from error
     if before and after and after[1] > before[1]:
         result["cpu_steal"] = (after[0] - before[0]) / (after[1] - before[1])
     return result
@@ -656,6 +659,8 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
     """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
     import sacrebleu
     from transformers import AutoTokenizer
+
+    import vaswani_transformer  # noqa: F401  (registers the tokenizer's model type: no trust_remote_code prompt)
 
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
     tokenizer = AutoTokenizer.from_pretrained(args.workdir / "ours")
