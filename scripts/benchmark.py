@@ -699,8 +699,8 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
                 generated = model.generate(**batch)[:, 1:]
             return generated.tolist()
 
-        def to_ids(row):  # </s> kept
-            return [t for t in row if t != config.pad_token_id]
+        def to_ids(row):  # up to and with the first </s>: what follows is filling (with </s> where <pad> is 0)
+            return row[: row.index(config.eos_token_id) + 1] if config.eos_token_id in row else row
 
     run(batches[0])  # warm-up
     times = []
