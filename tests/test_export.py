@@ -60,7 +60,7 @@ def test_export_refuses_to_overwrite_and_explains(trained_model_dir, exported, c
     assert "--force" in capsys.readouterr().err
 
 
-def test_translate_with_the_ctranslate2_engine_gives_the_torch_translations(
+def test_translate_with_the_ctranslate2_engine_gives_nearly_all_the_torch_translations(
     trained_model_dir, corpus, tmp_path, capsys
 ):
     # The model's own decoding (§6.1): GNMT length penalty, which CTranslate2 lacks and the engine applies itself.
@@ -76,7 +76,10 @@ def test_translate_with_the_ctranslate2_engine_gives_the_torch_translations(
     assert (tmp_path / "ct2" / "model.bin").is_file()  # the export, cached for the next call
     assert len(translations["torch"]) == len(sources)
     assert sum(len(t.split()) for t in translations["torch"]) > 5 * len(sources)  # real translations
-    assert translations["ctranslate2"] == translations["torch"]
+    # CTranslate2's beam search is not transformers' to the last tie: on the main job's model 982 of the 1,000
+    # test sentences come out the same (docs/serving.md); a wrong penalty or an early stop costs far more.
+    same = sum(a == b for a, b in zip(translations["ctranslate2"], translations["torch"], strict=True))
+    assert same >= 0.95 * len(sources)
 
 
 def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, exported):

@@ -54,8 +54,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=["torch", "ctranslate2"],
         default="torch",
-        help="torch: the model's generate(); ctranslate2: its CTranslate2 export (the same translations, faster), "
-        "made on first use in MODEL/ctranslate2/ (default: torch)",
+        help="torch: the model's generate(); ctranslate2: its CTranslate2 export (nearly always the same "
+        "translations), made on first use in MODEL/ctranslate2/ (default: torch)",
     )
     parser.add_argument(
         "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"

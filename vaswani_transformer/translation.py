@@ -211,8 +211,8 @@ def translate(
     any is translated, so `long_inputs="error"` fails before doing work.
 
     Args:
-        model, tokenizer: from `load_translator`, or from `export.load_ctranslate2_engine` (CTranslate2's speed,
-            the same translations: see `export.CTranslate2Engine`; then no `generate_kwargs`).
+        model, tokenizer: from `load_translator`, or from `export.load_ctranslate2_engine` (CTranslate2's beam
+            search, nearly always the same translations: see `export.CTranslate2Engine`; then no `generate_kwargs`).
         sentences: source sentences; an empty (or blank) string translates to an empty string, an
             empty list to an empty list, without calling the model.
         batch_size: sentences per `generate()` call.
