@@ -259,7 +259,7 @@ def markdown(report: dict) -> str:
     ct2 = f"CT2 {report['dtype']}"
     int8 = "CT2 int8" if report["dtype"] == "float32" else f"CT2 int8_{report['dtype']}"
     for preset, results in report["results"].items():
-        if preset == TRAINED:
+        if preset == TRAINED or not results:  # not results: only the trained model's translation was asked for
             continue
         lines += [
             f"**{preset}** ({report['presets'][preset]['parameters'] / 1e6:.1f}M parameters, "
@@ -657,10 +657,9 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
 
 def child_translate(engine: str, args: argparse.Namespace) -> dict:
     """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
-    import sacrebleu
     from transformers import AutoTokenizer
 
-    import vaswani_transformer  # noqa: F401  (registers the tokenizer's model type: no trust_remote_code prompt)
+    from vaswani_transformer.translation import corpus_bleu  # also registers the tokenizer: no trust_remote_code prompt
 
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
     tokenizer = AutoTokenizer.from_pretrained(args.workdir / "ours")
@@ -714,7 +713,7 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
     best = min(times)
     return {"sentences": len(outputs), "tokens": sum(map(len, outputs)), "seconds": best,
             "sentences_per_second": len(outputs) / best, "tokens_per_second": sum(map(len, outputs)) / best,
-            "bleu": sacrebleu.corpus_bleu(translations, [references]).score, "all_seconds": times}  # fmt: skip
+            "bleu": corpus_bleu(translations, references)["score"], "all_seconds": times}  # fmt: skip
 
 
 def child_decode_ct2(engine: str, task: str, args: argparse.Namespace) -> dict:

@@ -1,7 +1,9 @@
 """Shared fixtures: the Multi30k corpus from ../shared, a tokenizer trained on it, and one small trained model."""
 
 import json
+import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,32 @@ from vaswani_transformer.data import load_parallel_corpus, text_batches
 from vaswani_transformer.tokenization import train_tokenizer
 from vaswani_transformer.training import TrainingConfig
 
-MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def _multi30k_candidates() -> list[Path]:
+    # $MULTI30K_DIR; else shared/ beside the repository; else, for a clone of a local checkout (a CI job's clean
+    # clone elsewhere), shared/ beside the checkout it was cloned from. The corpus is read in place, never copied.
+    candidates = [Path(os.environ["MULTI30K_DIR"])] if os.environ.get("MULTI30K_DIR") else []
+    candidates.append(REPOSITORY.parent / "shared" / "data" / "multi30k")
+    origin = subprocess.run(
+        ["git", "config", "--get", "remote.origin.url"], cwd=REPOSITORY, capture_output=True, text=True
+    ).stdout.strip()
+    if origin and Path(origin).is_dir():
+        candidates.append(Path(origin).resolve().parent / "shared" / "data" / "multi30k")
+    return candidates
 
 
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
-    if not (MULTI30K / "train.en").is_file():
-        pytest.fail(f"The Multi30k corpus is expected at {MULTI30K} (the shared/ folder beside the repository).")
-    return MULTI30K
+    candidates = _multi30k_candidates()
+    found = next((path for path in candidates if (path / "train.en").is_file()), None)
+    if found is None:
+        pytest.fail(
+            f"The Multi30k corpus is expected in one of {', '.join(map(str, candidates))} (the shared/ folder beside "
+            "the repository); set MULTI30K_DIR to its directory."
+        )
+    return found
 
 
 @pytest.fixture(scope="session")

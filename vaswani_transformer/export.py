@@ -205,9 +205,8 @@ class CTranslate2Engine:
         for i, result in zip(indices, results, strict=True):
             best = result.hypotheses[0]
             if self.gnmt:  # + 1: CTranslate2 leaves </s> out of its hypotheses
-                penalised = [s / gnmt_length_penalty(len(h) + 1, self.length_penalty) for h, s in
-                             zip(result.hypotheses, result.scores, strict=True)]  # fmt: skip
-                best = result.hypotheses[max(range(len(penalised)), key=penalised.__getitem__)]
+                scored = zip(result.hypotheses, result.scores, strict=True)
+                best, _ = max(scored, key=lambda h: h[1] / gnmt_length_penalty(len(h[0]) + 1, self.length_penalty))
             output_ids = self.tokenizer.convert_tokens_to_ids(best)
             translations[i] = self.tokenizer.decode(output_ids, skip_special_tokens=True).strip()
         return translations
