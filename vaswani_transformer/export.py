@@ -17,9 +17,10 @@ each needed for CTranslate2 to decode as our `generate()` does:
 
 Beam size, length penalty and length limits are options of CTranslate2's `translate_batch`, not
 of the model: `beam_size=4` with `length_penalty=1.0` (its default) gives, nearly always, our
-`generate()` with `length_penalty_type="hf"`. CTranslate2 has no GNMT length penalty (§6.1); `CTranslate2Engine`,
-which `translate --engine ctranslate2` and `serve --engine ctranslate2` use, ranks CTranslate2's
-finished hypotheses by it instead, so that it translates as our `generate()` does.
+`generate()` with `length_penalty_type="hf"`. CTranslate2 has no GNMT length penalty (§6.1);
+`CTranslate2Engine`, which `translate --engine ctranslate2` and `serve --engine ctranslate2` use,
+ranks CTranslate2's finished hypotheses by it instead, so that it nearly always translates as our
+`generate()` does (the class says how nearly).
 """
 
 import logging
