@@ -13,6 +13,7 @@ from conftest import cli_arguments, mini_run
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
+from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.training_config import TrainingConfig
 
 SENTENCE = "A man is riding a bicycle down the street."
@@ -96,6 +97,22 @@ def test_every_training_config_round_trips_through_the_command_line(monkeypatch,
     )  # fmt: skip
     assert main(cli_arguments(config)) == 0
     assert seen == [config]
+
+
+def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_line(capsys):
+    # Parsed without FastAPI: the command line reads serve's defaults from ServingConfig alone.
+    parse = build_parser().parse_args
+    defaults, config_fields = ServingConfig(), [option.name for option in fields(ServingConfig)]
+    args = parse(["serve", "model"])
+    assert {name: getattr(args, name) for name in config_fields} == vars(defaults)
+    args = parse(["serve", "model", "--port", "0", "--no-access-log", "--long-inputs", "truncate", "--threads", "1"])
+    chosen = ServingConfig(**{name: getattr(args, name) for name in config_fields})
+    assert (chosen.port, chosen.access_log, chosen.long_inputs, chosen.threads) == (0, False, "truncate", 1)
+    assert chosen.char_limit == defaults.char_limit and chosen.batch_wait_ms == defaults.batch_wait_ms
+    for option, value in [("--char-limit", "0"), ("--batch-wait-ms", "-1"), ("--threads", "0")]:
+        assert main(["serve", "no-such-model", option, value]) == 2
+        error = capsys.readouterr().err
+        assert option in error and value in error and len(error.strip().splitlines()) == 1
 
 
 def test_train_refuses_no_corpus_or_two_in_one_line(capsys):

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import get_args, get_origin
 
+from .serving_config import ServingConfig
 from .training_config import TrainingConfig
 
 
@@ -62,29 +63,20 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _training_option_names() -> list[str]:
-    # The `TrainingConfig` fields that are options of `train`: those with help text.
-    return [option.name for option in fields(TrainingConfig) if "help" in option.metadata]
+def _option_names(config_class: type) -> list[str]:
+    # The fields of a config dataclass that are command-line options: those with help text.
+    return [option.name for option in fields(config_class) if "help" in option.metadata]
 
 
-def _add_training_options(train: argparse.ArgumentParser) -> None:
-    # One option per `TrainingConfig` field with help, named, typed and defaulted by the field; the
-    # corpus options, which fill `data` and `files`, come first.
-    corpus = train.add_argument_group("corpus")
-    corpus.add_argument(
-        "--data-dir",
-        help="directory with train.<lang>, val.<lang> and test*.<lang> files, one sentence per line, aligned by line",
-    )
-    corpus.add_argument("--dataset", help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
-    corpus.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
-    corpus.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
-    groups = {"corpus": corpus}
-    for option in fields(TrainingConfig):
+def _add_config_options(parser: argparse.ArgumentParser, config_class: type, groups: dict) -> None:
+    # One option per field of `config_class` with help, named, typed and defaulted by the field,
+    # in the `--help` section its metadata names (`groups` holds the sections made so far).
+    for option in fields(config_class):
         if "help" not in option.metadata:
             continue
         settings = dict(option.metadata)
         name = settings.pop("group")
-        group = groups[name] if name in groups else groups.setdefault(name, train.add_argument_group(name))
+        group = groups[name] if name in groups else groups.setdefault(name, parser.add_argument_group(name))
         flag = settings.pop("flag", "--" + option.name.replace("_", "-"))
         default = option.default_factory() if option.default_factory is not MISSING else option.default
         kind = option.type
@@ -95,8 +87,8 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
             settings["required"] = True
         elif default is not None and not isinstance(default, bool | list | dict):  # 0 is a default to state
             settings["help"] += f" (default: {default})"
-        if kind is bool:
-            settings["action"] = "store_true"
+        if kind is bool:  # a flag that turns the default over (--no-access-log sets access_log False)
+            settings.update(action="store_false" if default else "store_true")
         elif "nargs" in settings:  # a list after one flag (--choose-num-beams 4 6); a later flag replaces it
             settings.update(type=get_args(option.type)[0], default=[])
         elif kind in (list, dict):  # repeatable; a dict from KEY=VALUE pairs
@@ -104,6 +96,19 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
         else:
             settings.update(type=kind, default=None if default is MISSING else default)
         group.add_argument(flag, dest=option.name, **settings)
+
+
+def _add_training_options(train: argparse.ArgumentParser) -> None:
+    # The corpus options, which fill `TrainingConfig.data` and `files`, come first.
+    corpus = train.add_argument_group("corpus")
+    corpus.add_argument(
+        "--data-dir",
+        help="directory with train.<lang>, val.<lang> and test*.<lang> files, one sentence per line, aligned by line",
+    )
+    corpus.add_argument("--dataset", help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
+    corpus.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
+    corpus.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
+    _add_config_options(train, TrainingConfig, {"corpus": corpus})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,8 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a translator over HTTP: the LibreTranslate API and a page at / (the `serve` extra)"
     )
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=5000, help="TCP port; 0 lets the system choose (default: 5000)")
     _add_engine_options(serve)
     serve.add_argument(
         "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
@@ -199,37 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
-    batching = serve.add_argument_group(
-        "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
-    )
-    batching.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=5.0,
-        help="after the first waiting request, collect others this many milliseconds (default: 5)",
-    )
-    batching.add_argument(
-        "--max-batch-tokens", type=int, default=4096, help="source tokens per generate() call (default: 4096)"
-    )
-    batching.add_argument(
-        "--max-batch-sentences", type=int, default=64, help="sentences per generate() call (default: 64)"
-    )
-    limits = serve.add_argument_group("limits of one request (HTTP 400 beyond them)")
-    limits.add_argument(
-        "--char-limit", type=int, default=5000, help="characters of q, all texts together (default: 5000)"
-    )
-    limits.add_argument("--batch-limit", type=int, default=64, help="texts in a list q (default: 64)")
-    limits.add_argument(
-        "--long-inputs",
-        choices=["error", "truncate"],
-        default="error",
-        help="a sentence longer than the model's limit (tokens): refuse the request, or truncate the sentence "
-        "(default: error)",
-    )
-    serve.add_argument(
-        "--threads", type=int, default=None, help="CPU threads of one generate() call (default: torch's, one per core)"
-    )
-    serve.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    _add_config_options(serve, ServingConfig, {})
     return parser
 
 
@@ -244,7 +217,7 @@ def _train(args: argparse.Namespace) -> None:
         files["validation"] = tuple(args.validation_files)
     if bool(args.data_dir) == bool(args.dataset) and not files:
         raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
-    options = {name: getattr(args, name) for name in _training_option_names()}
+    options = {name: getattr(args, name) for name in _option_names(TrainingConfig)}
     options["model_overrides"] = dict(options["model_overrides"])
     config = TrainingConfig(data=args.data_dir or args.dataset or "", files=files, **options)
     ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
@@ -396,13 +369,12 @@ def _export_ctranslate2(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    config = ServingConfig(**{name: getattr(args, name) for name in _option_names(ServingConfig)})
     try:
         from .serving import serve
 
-        options = ["host", "port", "engine", "device", "num_beams", "source_lang", "target_lang", "batch_wait_ms",
-                   "max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit", "long_inputs",
-                   "ctranslate2_dir", "threads"]  # fmt: skip
-        serve(args.model, access_log=not args.no_access_log, **{name: getattr(args, name) for name in options})
+        serve(args.model, config, args.engine, args.device, args.num_beams, args.source_lang, args.target_lang,
+              args.ctranslate2_dir)  # fmt: skip
     except ImportError as error:  # the optional dependencies: one line, not a traceback
         raise OSError(str(error)) from error
 

@@ -47,6 +47,7 @@ except ImportError as error:
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .serving_config import ServingConfig
 from .text_format import split_text
 
 if TYPE_CHECKING:
@@ -195,9 +196,9 @@ class MicroBatcher:
     def __init__(
         self,
         translate_fn: Callable[[list[str]], list[str]],
-        batch_wait_ms: float = 5.0,
-        max_batch_tokens: int = 4096,
-        max_batch_sentences: int = 64,
+        batch_wait_ms: float = ServingConfig.batch_wait_ms,
+        max_batch_tokens: int = ServingConfig.max_batch_tokens,
+        max_batch_sentences: int = ServingConfig.max_batch_sentences,
     ) -> None:
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be 0 or more milliseconds, got {batch_wait_ms}.")
@@ -321,10 +322,10 @@ class Limits:
         long_inputs: "error" refuses a sentence over `source_limit`, "truncate" cuts it there.
     """
 
-    char_limit: int = 5000
-    batch_limit: int = 64
-    source_limit: int | None = None
-    long_inputs: str = "error"
+    char_limit: int
+    batch_limit: int
+    source_limit: int | None
+    long_inputs: str
 
     def body_bytes(self) -> int:
         """The largest body read: `char_limit` characters as escaped JSON (up to 12 bytes each) and the other fields."""
@@ -602,22 +603,13 @@ class _Server(uvicorn.Server):
 
 def serve(
     model: str,
-    host: str = "127.0.0.1",
-    port: int = 5000,
+    config: ServingConfig | None = None,
     engine: str = "torch",
     device: str | None = None,
     num_beams: int | None = None,
     source_lang: str | None = None,
     target_lang: str | None = None,
-    batch_wait_ms: float = 5.0,
-    max_batch_tokens: int = 4096,
-    max_batch_sentences: int = 64,
-    char_limit: int = 5000,
-    batch_limit: int = 64,
-    long_inputs: str = "error",
     ctranslate2_dir: str | None = None,
-    threads: int | None = None,
-    access_log: bool = True,
 ) -> None:
     """`vaswani-transformer serve`: load a translator and serve it over HTTP until SIGTERM or Ctrl+C.
 
@@ -629,28 +621,22 @@ def serve(
 
     Args:
         model, engine, device, num_beams, ctranslate2_dir: what to load (`load_engine`).
-        host, port: where to listen.
+        config: where to listen, how to batch (`MicroBatcher`) and what one request may ask for
+            (`Limits`); default `ServingConfig()`. `config.threads` sets the CPU threads of one
+            `generate()` (`torch.set_num_threads`; CTranslate2's `intra_threads`); default: torch's,
+            one per core. Fewer leave cores to the HTTP side and to other processes, whose competition
+            slows a parallel region that waits for every one of its threads.
         source_lang, target_lang: the model's languages, where its files do not say them (`model_languages`).
-        batch_wait_ms, max_batch_tokens, max_batch_sentences: the micro-batcher's (`MicroBatcher`).
-        char_limit, batch_limit, long_inputs: what one request may ask for (`Limits`).
-        threads: CPU threads of one `generate()` (`torch.set_num_threads`; CTranslate2's
-            `intra_threads`); default: torch's, one per core. Fewer leave cores to the HTTP side
-            and to other processes, whose competition slows a parallel region that waits for
-            every one of its threads.
-        access_log: log each request (uvicorn's access log).
 
     Raises:
         ImportError: the engine's package is missing.
         OSError: the address cannot be bound, or the model cannot be loaded.
-        ValueError: a bad option, or a model whose languages are unknown.
+        ValueError: a model whose languages are unknown, or an unknown engine or a beam size below 1
+            (`ServingConfig` checks its own settings when it is made).
     """
-    if char_limit < 1 or batch_limit < 1:
-        raise ValueError(f"--char-limit and --batch-limit must be at least 1, got {char_limit} and {batch_limit}.")
-    if long_inputs not in ("error", "truncate"):
-        raise ValueError(f"long_inputs must be 'error' or 'truncate', got {long_inputs!r}.")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}.")
     languages = model_languages(model, source_lang, target_lang)
+    config = config or ServingConfig()
+    host, port, threads = config.host, config.port, config.threads
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -663,21 +649,25 @@ def serve(
 
             torch.set_num_threads(threads)
         runner, tokenizer = load_engine(model, engine, device, num_beams, ctranslate2_dir)
-        batcher = MicroBatcher(runner.translate, batch_wait_ms, max_batch_tokens, max_batch_sentences)
-        limits = Limits(char_limit, batch_limit, runner.source_limit, long_inputs)
-        info = {"model": model, "engine": runner.name, "batch_wait_ms": batch_wait_ms,
-                "max_batch_tokens": max_batch_tokens, "max_batch_sentences": max_batch_sentences}  # fmt: skip
+        batcher = MicroBatcher(
+            runner.translate, config.batch_wait_ms, config.max_batch_tokens, config.max_batch_sentences
+        )
+        limits = Limits(config.char_limit, config.batch_limit, runner.source_limit, config.long_inputs)
+        batching = ("batch_wait_ms", "max_batch_tokens", "max_batch_sentences")
+        info = {"model": model, "engine": runner.name, **{name: getattr(config, name) for name in batching}}
         app = create_app(batcher, tokenizer, languages, limits, info)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
         banner = f"Serving {model} ({languages[0]} -> {languages[1]}, {runner.name}) on http://{shown}:{bound_port}"
-        config = uvicorn.Config(app, log_level="info", access_log=access_log, timeout_graceful_shutdown=None)
+        server_config = uvicorn.Config(
+            app, log_level="info", access_log=config.access_log, timeout_graceful_shutdown=None
+        )
         if threading.current_thread() is threading.main_thread():
             # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
             # under the handler it found: one that does nothing lets that graceful end exit with 0.
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, lambda *_: None)
         try:
-            _Server(config, banner).run(sockets=[sock])
+            _Server(server_config, banner).run(sockets=[sock])
         finally:
             batcher.close()  # after a failed start too; a no-op after the app's own shutdown

@@ -1,0 +1,59 @@
+"""`ServingConfig`: the settings of the HTTP server, and the one place where each is defined.
+
+The options of `vaswani-transformer serve` that shape the server (where it listens, how it batches,
+what one request may ask for) are generated from these fields (`cli.py`), as `train`'s are from
+`TrainingConfig`; `serving.serve` takes the config. This module imports neither FastAPI nor
+uvicorn, so that the command line knows the options and their defaults without the `serve` extra.
+"""
+
+from dataclasses import dataclass
+
+from .training_config import option
+
+LONG_INPUTS = ("error", "truncate")
+# The sections of `serve --help`.
+BATCHING = "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
+LIMITS = "limits of one request (HTTP 400 beyond them)"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How `vaswani-transformer serve` listens, batches and limits requests.
+
+    Each field's meaning and unit is its `help` metadata, which `vaswani-transformer serve --help`
+    prints. The model, its engine and its languages are `serve`'s other arguments.
+
+    Raises:
+        ValueError: a negative wait, a budget, limit or thread count below 1, or an unknown `long_inputs`.
+    """
+
+    host: str = option("127.0.0.1", help="address to listen on", group="server")
+    port: int = option(5000, help="TCP port; 0 lets the system choose", group="server")
+    threads: int | None = option(
+        None, help="CPU threads of one generate() call (default: torch's, one per core)", group="server"
+    )
+    access_log: bool = option(True, help="do not log each request", group="server", flag="--no-access-log")
+    batch_wait_ms: float = option(
+        5.0, help="after the first waiting request, collect others this many milliseconds", group=BATCHING
+    )
+    max_batch_tokens: int = option(4096, help="source tokens per generate() call", group=BATCHING)
+    max_batch_sentences: int = option(64, help="sentences per generate() call", group=BATCHING)
+    char_limit: int = option(5000, help="characters of q, all texts together", group=LIMITS)
+    batch_limit: int = option(64, help="texts in a list q", group=LIMITS)
+    long_inputs: str = option(
+        "error",
+        help="a sentence longer than the model's limit (tokens): refuse the request, or truncate the sentence",
+        group=LIMITS,
+        choices=LONG_INPUTS,
+    )
+
+    def __post_init__(self) -> None:
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"--batch-wait-ms must be 0 or more milliseconds, got {self.batch_wait_ms}.")
+        for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}.")
+        if self.long_inputs not in LONG_INPUTS:
+            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}.")
