@@ -19,6 +19,8 @@
 # 3-hour form is
 #   TRAIN_MINUTES=165 bash scripts/recipes/multi30k.sh DATA OUT en de \
 #       --model-option dropout=0.3 --warmup-steps 2000 --learning-rate-scale 2.5
+# These settings do not start reliably: with other seeds or vocabularies three of five starts
+# stalled (docs/training.md, "The recipe's start is fragile"); a lower peak learning rate is the lead.
 # Options after the languages are passed on to `train` and replace these (scripts/main_job.sh
 # uses that). Run it again after an interruption: it resumes. Each test set's scores land in
 # OUTPUT_DIR/NAME.bleu.json (one JSON line, as `evaluate` prints it) beside its translations,
