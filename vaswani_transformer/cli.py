@@ -373,8 +373,8 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         from .serving import serve
 
-        serve(args.model, config, args.engine, args.device, args.num_beams, args.source_lang, args.target_lang,
-              args.ctranslate2_dir)  # fmt: skip
+        loading = ("engine", "device", "num_beams", "source_lang", "target_lang", "ctranslate2_dir")
+        serve(args.model, config, **{name: getattr(args, name) for name in loading})
     except ImportError as error:  # the optional dependencies: one line, not a traceback
         raise OSError(str(error)) from error
 

@@ -32,7 +32,12 @@ class ServingConfig:
     threads: int | None = option(
         None, help="CPU threads of one generate() call (default: torch's, one per core)", group="server"
     )
-    access_log: bool = option(True, help="do not log each request", group="server", flag="--no-access-log")
+    access_log: bool = option(
+        True,
+        help="log each request (uvicorn's access log); the flag turns it off",
+        group="server",
+        flag="--no-access-log",
+    )
     batch_wait_ms: float = option(
         5.0, help="after the first waiting request, collect others this many milliseconds", group=BATCHING
     )
