@@ -16,7 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import get_args, get_origin
 
-from .serving_config import ServingConfig
+from .serving_config import LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
 
@@ -43,7 +43,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     parser.add_argument(
         "--long-inputs",
-        choices=["truncate", "error"],
+        choices=LONG_INPUTS,
         default="truncate",
         help="sentences longer than the model's limit (its tokenizer's model_max_length, in tokens): truncate them "
         "with one warning, or stop with an error (default: truncate)",

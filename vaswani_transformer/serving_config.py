@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from .training_config import option
 
-LONG_INPUTS = ("error", "truncate")
+# What to do with a sentence over the model's limit, for `serve` and `translate` alike.
+LONG_INPUTS = ("truncate", "error")
 # The sections of `serve --help`.
 BATCHING = "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
 LIMITS = "limits of one request (HTTP 400 beyond them)"

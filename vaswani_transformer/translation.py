@@ -19,11 +19,9 @@ from transformers import (
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from .export import CTranslate2Engine
+from .serving_config import LONG_INPUTS
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
-# What `translate` does with a source longer than the model's limit (`--long-inputs`).
-LONG_INPUT_CHOICES = ("truncate", "error")
-
 logger = logging.getLogger(__name__)
 
 
@@ -129,8 +127,8 @@ class _Translator:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
-        if long_inputs not in LONG_INPUT_CHOICES:
-            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUT_CHOICES)}, got {long_inputs!r}.")
+        if long_inputs not in LONG_INPUTS:
+            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {long_inputs!r}.")
         if isinstance(model, CTranslate2Engine) and generate_kwargs:
             raise ValueError(
                 f"A CTranslate2 engine takes no generate() arguments ({', '.join(generate_kwargs)}): pass num_beams "
