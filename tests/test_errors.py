@@ -20,6 +20,7 @@ from vaswani_transformer.cli import main
 from vaswani_transformer.data import iter_lines, load_parallel_corpus
 from vaswani_transformer.generation_vaswani import paper_generation_config
 from vaswani_transformer.hub import ensure_writable, save_translator
+from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.translation import corpus_bleu, load_translator, translate, translate_stream
 
 LIMIT = 12  # model_max_length of the saved translator's tokenizer, in tokens
@@ -274,6 +275,26 @@ def test_impossible_config_values_name_the_field(values, message, tmp_path):
         VaswaniConfig.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"VaswaniConfig\.{message}"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch-wait-ms", "-1", "--batch-wait-ms must be 0 or more milliseconds, got -1.0"),
+        ("--max-batch-tokens", "0", "--max-batch-tokens must be at least 1, got 0"),
+        ("--batch-limit", "0", "--batch-limit must be at least 1, got 0"),
+        ("--threads", "0", "--threads must be at least 1, got 0"),
+    ],
+)
+def test_impossible_serve_settings_name_the_flag_before_loading_the_model(flag, value, message, tmp_path, capsys):
+    # The model directory does not exist: the settings are refused before anything is loaded.
+    status = main(["serve", str(tmp_path / "no-model"), flag, value])
+    assert_one_line_error(status, capsys.readouterr().err, f"vaswani-transformer serve: error: {message}")
+
+
+def test_an_unknown_long_inputs_setting_of_the_server_names_the_flag_and_the_choices():
+    with pytest.raises(ValueError, match="^--long-inputs must be one of truncate, error, got 'skip'"):
+        ServingConfig(long_inputs="skip")
 
 
 def test_a_saved_model_with_an_impossible_config_fails_in_one_line(translator_dir, tmp_path, capsys):

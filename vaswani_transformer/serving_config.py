@@ -62,4 +62,4 @@ class ServingConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}.")
         if self.long_inputs not in LONG_INPUTS:
-            raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}.")
+            raise ValueError(f"--long-inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}.")
