@@ -24,6 +24,7 @@ from transformers.generation import (
     StoppingCriteriaList,
     logits_process,
 )
+from transformers.generation.utils import GenerateOutput
 from transformers.modeling_outputs import BaseModelOutput
 
 from .configuration_vaswani import VaswaniConfig
@@ -128,10 +129,10 @@ class VaswaniGenerationMixin(GenerationMixin):
     def generate(
         self,
         inputs: torch.Tensor | None = None,
-        generation_config=None,
+        generation_config: GenerationConfig | None = None,
         logits_processor: LogitsProcessorList | None = None,
         **kwargs,
-    ):
+    ) -> GenerateOutput | torch.LongTensor:
         """`GenerationMixin.generate`, plus the paper's decoding (§6.1): GNMT length penalty, per-sentence limit.
 
         "We used beam search with a beam size of 4 and length penalty alpha = 0.6 [Wu et al., 2016]":
@@ -160,7 +161,8 @@ class VaswaniGenerationMixin(GenerationMixin):
         sampling, constraints) runs HF's own loop.
 
         Returns:
-            What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids.
+            What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids,
+            or a `GenerateOutput` holding them (and scores) with `return_dict_in_generate=True`.
 
         Raises:
             ValueError: `length_penalty_type` is neither "gnmt" nor "hf", or `num_beams` is below 1.
