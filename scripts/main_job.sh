@@ -6,6 +6,7 @@
 # DATA_DIR holds train.<lang>, val.<lang> and test*.<lang> files (default: ../shared/data/multi30k).
 # It is the Multi30k recipe (scripts/recipes/multi30k.sh: Transformer-tiny, 4,096-token batches)
 # with TRAIN_MINUTES (default 20) of training, so that the whole job fits in 25 minutes on 2 cores,
+# the `tiny` preset's d_ff of 256, whose steps are a fifth faster than the recipe's 512,
 # with dropout 0.1 and a peak learning rate of 4.9e-3 (Eq. 3 scaled by 1.75), which learn fastest
 # in so few steps (dropout 0.1 starts reliably at that peak, where 0.2 does not); the last 8
 # checkpoints, 100 steps apart, are averaged, since the model still improves at the end of so short
@@ -21,8 +22,8 @@ python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check -e ".[plot]"  # plot: learning_curve.png
 
 TRAIN_MINUTES=${TRAIN_MINUTES:-20} bash scripts/recipes/multi30k.sh "$DATA_DIR" "$OUTPUT_DIR" "$SRC" "$TGT" \
-    --model-option dropout=0.1 --learning-rate-scale 1.75 --eval-steps 1000 --save-steps 100 \
-    --average-last 8 --choose-num-beams 4 --choose-length-penalty 0.6 1.0 > /dev/null
+    --model-option d_ff=256 --model-option dropout=0.1 --learning-rate-scale 1.75 --eval-steps 1000 \
+    --save-steps 100 --average-last 8 --choose-num-beams 4 --choose-length-penalty 0.6 1.0 > /dev/null
 
 for source in "$DATA_DIR"/test*."$SRC"; do
     [ -e "$source" ] || continue
