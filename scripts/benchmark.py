@@ -185,6 +185,14 @@ def cpu_times() -> tuple[int, int] | None:
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
+def commit_measured() -> str | None:
+    """The checkout's short commit, with "-dirty" when tracked files differ from it; None outside git."""
+    git = {"cwd": ROOT, "capture_output": True, "text": True, "env": {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip()
+    edited = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+    return f"{commit}-dirty" if commit and edited else commit or None
+
+
 def machine(device: str) -> dict:
     """CPU model, core count, the GPU on `device` "cuda" (else None) and library versions, for the report."""
     from importlib.metadata import PackageNotFoundError, version
@@ -198,7 +206,6 @@ def machine(device: str) -> dict:
     except PackageNotFoundError:  # a run of the PyTorch engines alone
         ctranslate2_version = None
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "cpu": cpu or platform.processor(),
         # The vector extensions decide which kernels are fast: a speed-up on one set is not one on another.
@@ -207,7 +214,6 @@ def machine(device: str) -> dict:
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "cuda": torch.version.cuda if device == "cuda" else None,
         "gpu_driver": _nvidia_driver() if device == "cuda" else None,
-        "commit": commit.stdout.strip() or None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -379,6 +385,7 @@ def markdown(report: dict) -> str:
 def parent(args: argparse.Namespace) -> None:
     """Prepare models and data in a temporary folder, run every child, write the JSON and Markdown reports."""
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    commit = commit_measured()  # as the run starts: a commit made while it runs is not what ran
     with tempfile.TemporaryDirectory(prefix="vaswani-benchmark-") as tmp:
         workdir = Path(tmp)
         report = {"command": " ".join(["python", "scripts/benchmark.py", *sys.argv[1:]]), **prepare(args, workdir)}
@@ -420,7 +427,7 @@ def parent(args: argparse.Namespace) -> None:
                 print(f"{preset:7} {'train':9} {'taking turns':12} ours / Marian {result['ratio']:.2f}x, per-step "
                       f"median {result['step_ratio_median']:.2f}x", file=sys.stderr, flush=True)  # fmt: skip
     report.update(
-        machine=machine(args.device),
+        machine={**machine(args.device), "commit": commit},
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,
