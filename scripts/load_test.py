@@ -43,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmark import commit_measured  # scripts/benchmark.py: this folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "micro-batching": [],  # the batching options of the command line are added
@@ -227,9 +229,6 @@ def machine() -> dict:
     lines = cpuinfo.splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    git = {"cwd": ROOT, "capture_output": True, "text": True, "env": {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip() or None
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
     return {
         "cpu": cpu or platform.processor(),
         # The vector extensions decide which kernels are fast: a number on one set says little of another.
@@ -239,8 +238,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
-        "commit": commit,
-        "uncommitted_changes": bool(changed),
+        "commit": commit_measured(),  # "-dirty" when tracked files had uncommitted changes
     }
 
 
