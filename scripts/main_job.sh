@@ -8,8 +8,8 @@
 # with TRAIN_MINUTES (default 20) of training, so that the whole job fits in 25 minutes on 2 cores,
 # the `tiny` preset's d_ff of 256, whose steps are a fifth faster than the recipe's 512,
 # with no dropout (Table 3, row D's variation) and a peak learning rate of 4.9e-3 (Eq. 3 scaled by
-# 1.75): a CPU half as fast makes only about 1,700 steps in 20 minutes, where dropout costs more than
-# it regularises (docs/training.md, "The main job on a slower machine"); the last 5 checkpoints,
+# 1.75): a slow CPU makes so few steps in 20 minutes that dropout costs more than it regularises
+# (docs/training.md, "The main job on a slower machine"); the last 5 checkpoints,
 # 100 steps apart, are averaged (§6.1's number for the base model), which smooths the last steps'
 # noise without reaching back to a much weaker model in so short a run, and the length penalty is
 # chosen on the validation set among two (beam 4).

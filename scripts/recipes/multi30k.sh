@@ -17,7 +17,7 @@
 # (brevity penalty 0.94 at alpha 0.6), and beams of 6 never beat 4 on the validation set.
 # TRAIN_MINUTES (default 85) caps training, so that the whole recipe, install and scoring included,
 # ends within 100 minutes: dropout 0.2 keeps improving where 0.1 levels off after about 3,000 steps
-# (scripts/main_job.sh, 20 minutes, uses 0.1). The earlier 3-hour form is
+# (scripts/main_job.sh, 20 minutes, uses none). The earlier 3-hour form is
 #   TRAIN_MINUTES=165 bash scripts/recipes/multi30k.sh DATA OUT en de \
 #       --model-option d_ff=256 --model-option dropout=0.3 --warmup-steps 2000 --learning-rate-scale 2.5
 # Options after the languages are passed on to `train` and replace these (scripts/main_job.sh
