@@ -61,8 +61,9 @@ def avoid_cudnn_attention() -> None:
 
     Batches of sentences change shape at nearly every step, and cuDNN's attention builds a plan for
     every new shape, which costs far more than PyTorch's flash and memory-efficient kernels save
-    (docs/performance.md, "Attention kernels on GPUs"). The setting is process-wide; nothing happens
-    on machines without CUDA.
+    (docs/performance.md, "Attention kernels on GPUs"). Decoding in bfloat16 or float16 (§6.1), whose
+    keys grow by one position a step, gains the same (docs/gpu.md, "Decoding"); float32 never takes
+    that kernel. The setting is process-wide; nothing happens on machines without CUDA.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)
 
