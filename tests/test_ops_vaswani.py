@@ -17,6 +17,13 @@ from vaswani_transformer.ops_vaswani import (
 )
 
 needs_onednn = pytest.mark.skipif(ops_vaswani._ONEDNN_LINEAR is None, reason="PyTorch built without oneDNN")
+measured_onednn_min_product = ops_vaswani.onednn_min_product
+
+
+@pytest.fixture(autouse=True)
+def onednn_from_2_to_the_21(monkeypatch):
+    # The oneDNN path is tested whatever this CPU measures (on some, oneDNN never pays): the size of one that does.
+    monkeypatch.setattr(ops_vaswani, "onednn_min_product", lambda: 2**21)
 
 
 def _count_onednn_calls(monkeypatch):
@@ -53,7 +60,7 @@ def test_linear_through_onednn_gives_the_products_and_gradients_of_f_linear(stri
 
 
 @needs_onednn
-def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear():
+def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear(monkeypatch):
     def backward_of(input, weight):
         return type(linear(input, weight).grad_fn).__name__
 
@@ -63,6 +70,21 @@ def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear():
     assert backward_of(large[0].double(), large[1].double()) == "MmBackward0"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear(*large).dtype == torch.bfloat16
+    monkeypatch.setattr(ops_vaswani, "onednn_min_product", lambda: math.inf)  # oneDNN no faster on this CPU
+    assert backward_of(*large) == "MmBackward0"
+
+
+@needs_onednn
+def test_the_size_from_which_onednn_pays_is_measured_once_without_touching_the_random_generator():
+    measured_onednn_min_product.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    size = measured_onednn_min_product()
+    assert torch.equal(torch.rand(3), expected)  # dropout masks and initialisations do not depend on it
+    assert size == math.inf or (size >= 1 and math.log2(size).is_integer())
+    assert measured_onednn_min_product() == size  # measured once per process
+    assert measured_onednn_min_product.cache_info().misses == 1
 
 
 @needs_onednn

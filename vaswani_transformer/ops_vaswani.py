@@ -8,6 +8,9 @@ docstring. Only PyTorch is imported here: the module is copied into saved models
 `trust_remote_code` loading.
 """
 
+import functools
+import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,18 +32,60 @@ def _onednn_linear_op() -> Callable | None:
 # PyTorch sends only bfloat16 and float16 products to oneDNN; this operator is the one `torch.compile` emits for
 # linear layers on the CPU.
 _ONEDNN_LINEAR = _onednn_linear_op()
-# A oneDNN call has a higher fixed cost than MKL's, which only products of at least 2^21 multiply-adds earn back.
-_ONEDNN_MIN_PRODUCT = 2**21
+
+
+def _product_cost(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[float, float]:
+    # Seconds per call and per multiply-add of one library's float32 products, from a small product, whose time
+    # is mostly the call's, and a large one, whose time is mostly its multiply-adds (best of 7 each). Constant
+    # operands: the values do not change the time, and the global random generator stays untouched.
+    timings = []
+    for rows, width in ((8, 128), (256, 512)):
+        input, weight = torch.full((rows, width), 0.5), torch.full((width, width), 0.25)
+        product(input, weight)
+        seconds = math.inf
+        for _ in range(7):
+            start = time.perf_counter()
+            product(input, weight)
+            seconds = min(seconds, time.perf_counter() - start)
+        timings.append((rows * width * width, seconds))
+    (small, small_seconds), (large, large_seconds) = timings
+    per_multiply_add = max(large_seconds - small_seconds, 0.0) / (large - small)
+    return small_seconds - per_multiply_add * small, per_multiply_add
+
+
+@functools.cache
+def onednn_min_product() -> float:
+    """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU (§3.2.2).
+
+    A oneDNN call costs more than an MKL one (about 10 us); its multiply-adds run 2 to 2.7 times as fast as MKL's
+    on one processor with AVX-512, about 1.2 times on another, and no faster without AVX-512. So the size from
+    which oneDNN pays is measured, once per process, when the first product that could take it comes
+    (docs/performance.md, "Products through oneDNN"): each library's time per call and per multiply-add, from
+    one small and one large product (about 20 ms in all), give the size at which their times cross. It is
+    rounded to a power of two, so that the noise of one measurement seldom moves it.
+
+    Returns:
+        A power of two (multiply-adds: rows x in_features x out_features), or `math.inf` where oneDNN's
+        multiply-adds are not faster than MKL's or PyTorch has no oneDNN.
+    """
+    if _ONEDNN_LINEAR is None:
+        return math.inf
+    with torch.no_grad():
+        mkl_call, mkl_multiply_add = _product_cost(F.linear)
+        onednn_call, onednn_multiply_add = _product_cost(lambda x, w: _ONEDNN_LINEAR(x, w, None, "none", [], ""))
+    if onednn_multiply_add >= mkl_multiply_add:
+        return math.inf
+    crossing = max(onednn_call - mkl_call, 0.0) / (mkl_multiply_add - onednn_multiply_add)
+    return float(2 ** round(math.log2(max(crossing, 1.0))))
 
 
 def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
     # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
     # Compilation is asked first: a size compared while tracing would become a guard, and a recompilation. The
-    # size next: most products of a decoding step are small, and each test costs a little Python time.
+    # size last, so that the measurement behind it never runs inside a trace or a transform.
     return (
         not torch.compiler.is_compiling()
-        and input.numel() * weight.shape[0] >= _ONEDNN_MIN_PRODUCT
         and _ONEDNN_LINEAR is not None
         and torch.backends.mkldnn.enabled
         and input.device.type == weight.device.type == "cpu"
@@ -50,6 +95,7 @@ def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and not torch.is_autocast_enabled("cpu")
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
+        and input.numel() * weight.shape[0] >= onednn_min_product()
     )
 
 
@@ -93,7 +139,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
     rounding, but its products run faster where MKL, PyTorch's usual library for them, leaves the
     CPU's vector units partly idle (docs/performance.md, "Products through oneDNN"). Products
-    of fewer than 2^21 multiply-adds, other dtypes and devices, autocast, `torch.compile`, TorchScript
+    smaller than `onednn_min_product()` (measured on this CPU), other dtypes and devices, autocast, `torch.compile`, TorchScript
     tracing, `torch.func` transforms, and `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
 
     Args:
