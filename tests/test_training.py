@@ -93,6 +93,21 @@ def test_training_config_needs_a_budget():
         TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1, max_tokens=0)
 
 
+def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):
+    from vaswani_transformer import checkpoints as ckpt
+    from vaswani_transformer.training import train
+
+    with pytest.raises(ValueError, match="one must be positive"):
+        mini_run(mini_corpus, tmp_path / "refused", save_steps=0)
+    with pytest.raises(ValueError, match="must not be negative"):
+        mini_run(mini_corpus, tmp_path / "refused", save_minutes=-1)
+    # A checkpoint every 10^-6 minutes is one after every step, whatever steps save_steps would have chosen.
+    config = mini_run(mini_corpus, tmp_path / "run", max_steps=4, save_steps=0, save_minutes=1e-6, keep_checkpoints=4)
+    output = train(config)
+    assert [path.name for path in ckpt.list_checkpoints(output / "checkpoints")] == [f"step-{i}" for i in range(1, 5)]
+    assert "last 2 checkpoints, 1e-06 minutes apart" in (output / "README.md").read_text()
+
+
 def test_validation_bleu_drives_best_checkpoint_early_stopping_and_tensorboard(mini_corpus, tmp_path):
     from vaswani_transformer import checkpoints as ckpt
     from vaswani_transformer.training import train

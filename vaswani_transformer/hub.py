@@ -219,6 +219,13 @@ def _decoding(generation: dict) -> str:
     return search
 
 
+def _checkpoint_spacing(training: dict) -> str:
+    # How far apart the averaged checkpoints were written: by steps, by minutes or by both clocks.
+    steps, minutes = training.get("save_steps"), training.get("save_minutes")
+    clocks = ([f"{steps} steps"] if steps else []) + ([f"{minutes} minutes"] if minutes else [])
+    return " or ".join(clocks)
+
+
 def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str]]:
     if not training:
         return [("Training", "not recorded (no training_config.json)")]
@@ -237,7 +244,7 @@ def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str
         ),
         ("Regularisation", f"dropout {config['dropout']}, label smoothing {config['label_smoothing']} (§5.4)"),
         ("Precision", training["mixed_precision"]),
-        ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {training['save_steps']} steps apart"),
+        ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {_checkpoint_spacing(training)} apart"),
     ]
     choice = training.get("decoding_choice")
     if choice:

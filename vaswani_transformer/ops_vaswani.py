@@ -139,8 +139,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
     rounding, but its products run faster where MKL, PyTorch's usual library for them, leaves the
     CPU's vector units partly idle (docs/performance.md, "Products through oneDNN"). Products
-    smaller than `onednn_min_product()` (measured on this CPU), other dtypes and devices, autocast, `torch.compile`, TorchScript
-    tracing, `torch.func` transforms, and `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
+    smaller than `onednn_min_product()` (measured on this CPU), other dtypes and devices, autocast,
+    `torch.compile`, TorchScript tracing, `torch.func` transforms, and
+    `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
 
     Args:
         input: `(*, in_features)`.

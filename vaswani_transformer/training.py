@@ -201,7 +201,7 @@ def train(config: TrainingConfig) -> Path:
     One optimizer step accumulates `update_freq` token-budget batches on every process; its loss
     is the label-smoothed cross entropy summed over all of them and divided by their number of
     target tokens, so that the update is that of one big batch whatever the split (§5.1, §5.4).
-    A checkpoint is written every `save_steps` steps (and `save_minutes`); with `resume`, a run
+    A checkpoint is written every `save_steps` steps and every `save_minutes` minutes; with `resume`, a run
     continues from its newest checkpoint and ends with the parameters an uninterrupted run would
     have had (bitwise on CPU). The last `average_last` checkpoints are averaged into the model (§6.1).
 
@@ -493,7 +493,7 @@ class TrainingRun:
             save_due, done = save_due or improved, done or patience_over
         if record:
             self._log(record, done)
-        if step % config.save_steps == 0 or save_due or done:
+        if (config.save_steps and step % config.save_steps == 0) or save_due or done:
             self.save_checkpoint()
         if record:
             self.interval_started = time.monotonic()

@@ -88,9 +88,13 @@ class TrainingConfig:
     early_stopping_patience: int | None = option(
         None, help="stop after this many validations without a better BLEU (or loss, without BLEU); none: never"
     )
-    save_steps: int = option(500, help="a checkpoint every this many steps", group="checkpoints and faults")
-    save_minutes: float | None = option(
-        None, help="also a checkpoint every this many minutes; none: by steps only", group="checkpoints and faults"
+    save_steps: int = option(
+        500, help="a checkpoint every this many steps (0: by --save-minutes only)", group="checkpoints and faults"
+    )
+    save_minutes: float = option(
+        0.0,
+        help="a checkpoint every this many minutes of training (0: by --save-steps only)",
+        group="checkpoints and faults",
     )
     keep_checkpoints: int | None = option(
         None,
@@ -159,11 +163,15 @@ class TrainingConfig:
             "warmup_steps",
             "log_steps",
             "eval_steps",
-            "save_steps",
             "average_last",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.save_steps < 0 or self.save_minutes < 0 or not (self.save_steps or self.save_minutes):
+            raise ValueError(
+                f"save_steps and save_minutes must not be negative, and one must be positive (0 turns a clock off), "
+                f"got save_steps={self.save_steps} and save_minutes={self.save_minutes}."
+            )
         if any(beams < 1 for beams in self.choose_num_beams):
             raise ValueError(f"choose_num_beams must be at least 1 (1 is greedy search), got {self.choose_num_beams}.")
         if self.keep_checkpoints is None:
