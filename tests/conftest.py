@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import vaswani_transformer  # noqa: F401  (registers the Auto classes)
-from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_transformer.data import load_parallel_corpus, text_batches
-from vaswani_transformer.tokenization import train_tokenizer
-from vaswani_transformer.training import TrainingConfig
+# Products take oneDNN from a size pinned for the whole run, its subprocesses included, not measured: tests that
+# compare runs to the bit must not depend on how two processes measured it (ops_vaswani.onednn_min_product).
+os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
+
+import vaswani_transformer  # noqa: E402, F401  (registers the Auto classes)
+from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
+from vaswani_transformer.data import load_parallel_corpus, text_batches  # noqa: E402
+from vaswani_transformer.tokenization import train_tokenizer  # noqa: E402
+from vaswani_transformer.training import TrainingConfig  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 

@@ -17,13 +17,6 @@ from vaswani_transformer.ops_vaswani import (
 )
 
 needs_onednn = pytest.mark.skipif(ops_vaswani._ONEDNN_LINEAR is None, reason="PyTorch built without oneDNN")
-measured_onednn_min_product = ops_vaswani.onednn_min_product
-
-
-@pytest.fixture(autouse=True)
-def onednn_from_2_to_the_21(monkeypatch):
-    # The oneDNN path is tested whatever this CPU measures (on some, oneDNN never pays): the size of one that does.
-    monkeypatch.setattr(ops_vaswani, "onednn_min_product", lambda: 2**21)
 
 
 def _count_onednn_calls(monkeypatch):
@@ -70,21 +63,33 @@ def test_linear_leaves_small_products_other_dtypes_and_autocast_to_f_linear(monk
     assert backward_of(large[0].double(), large[1].double()) == "MmBackward0"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear(*large).dtype == torch.bfloat16
-    monkeypatch.setattr(ops_vaswani, "onednn_min_product", lambda: math.inf)  # oneDNN no faster on this CPU
+    monkeypatch.setenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV, "inf")  # as where oneDNN's products are not faster
     assert backward_of(*large) == "MmBackward0"
 
 
 @needs_onednn
-def test_the_size_from_which_onednn_pays_is_measured_once_without_touching_the_random_generator():
-    measured_onednn_min_product.cache_clear()
+def test_the_size_from_which_onednn_pays_is_measured_without_touching_the_random_generator(monkeypatch):
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    size = measured_onednn_min_product()
+    size = ops_vaswani._measured_onednn_min_product.__wrapped__()  # measured afresh, not the process's cached size
     assert torch.equal(torch.rand(3), expected)  # dropout masks and initialisations do not depend on it
-    assert size == math.inf or (size >= 1 and math.log2(size).is_integer())
-    assert measured_onednn_min_product() == size  # measured once per process
-    assert measured_onednn_min_product.cache_info().misses == 1
+    assert size == math.inf or (math.log2(size).is_integer() and size >= 2**18)
+    monkeypatch.delenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV)
+    assert ops_vaswani.onednn_min_product() == ops_vaswani.onednn_min_product()  # measured once per process
+    monkeypatch.setenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV, "one")
+    with pytest.raises(ValueError, match="VASWANI_ONEDNN_MIN_PRODUCT='one' is not a number"):
+        ops_vaswani.onednn_min_product()
+
+
+@needs_onednn
+def test_products_under_a_dispatch_mode_take_f_linear():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    input, weight = torch.randn(64, 256), torch.randn(256, 256)  # 2^22 multiply-adds: oneDNN's, outside the mode
+    with FlopCounterMode(display=False) as counter:
+        linear(input, weight)
+    assert counter.get_total_flops() == 2 * 64 * 256 * 256  # counted: oneDNN's operator would not be
 
 
 @needs_onednn

@@ -222,7 +222,7 @@ def _decoding(generation: dict) -> str:
 def _checkpoint_spacing(training: dict) -> str:
     # How far apart the averaged checkpoints were written: by steps, by minutes or by both clocks.
     steps, minutes = training.get("save_steps"), training.get("save_minutes")
-    clocks = ([f"{steps} steps"] if steps else []) + ([f"{minutes} minutes"] if minutes else [])
+    clocks = ([f"{steps} steps"] if steps else []) + ([f"{minutes:g} minutes"] if minutes else [])
     return " or ".join(clocks)
 
 

@@ -10,6 +10,8 @@ docstring. Only PyTorch is imported here: the module is copied into saved models
 
 import functools
 import math
+import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,13 +36,22 @@ def _onednn_linear_op() -> Callable | None:
 _ONEDNN_LINEAR = _onednn_linear_op()
 
 
+# Products below this many multiply-adds take MKL without asking: there oneDNN's extra cost per call exceeds the
+# whole product's time on every CPU measured, and the measurement below is not set off by small models.
+_ONEDNN_FLOOR = 2**18
+# The environment variable that pins the size from which products take oneDNN, instead of measuring it.
+ONEDNN_MIN_PRODUCT_ENV = "VASWANI_ONEDNN_MIN_PRODUCT"
+_MEASUREMENT_LOCK = threading.Lock()
+
+
 def _product_cost(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[float, float]:
     # Seconds per call and per multiply-add of one library's float32 products, from a small product, whose time
     # is mostly the call's, and a large one, whose time is mostly its multiply-adds (best of 7 each). Constant
     # operands: the values do not change the time, and the global random generator stays untouched.
     timings = []
     for rows, width in ((8, 128), (256, 512)):
-        input, weight = torch.full((rows, width), 0.5), torch.full((width, width), 0.25)
+        input = torch.full((rows, width), 0.5, dtype=torch.float32, device="cpu")
+        weight = torch.full((width, width), 0.25, dtype=torch.float32, device="cpu")
         product(input, weight)
         seconds = math.inf
         for _ in range(7):
@@ -54,38 +65,64 @@ def _product_cost(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor])
 
 
 @functools.cache
-def onednn_min_product() -> float:
-    """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU (§3.2.2).
-
-    A oneDNN call costs more than an MKL one (about 10 us); its multiply-adds run 2 to 2.7 times as fast as MKL's
-    on one processor with AVX-512, about 1.2 times on another, and no faster without AVX-512. So the size from
-    which oneDNN pays is measured, once per process, when the first product that could take it comes
-    (docs/performance.md, "Products through oneDNN"): each library's time per call and per multiply-add, from
-    one small and one large product (about 20 ms in all), give the size at which their times cross. It is
-    rounded to a power of two, so that the noise of one measurement seldom moves it.
-
-    Returns:
-        A power of two (multiply-adds: rows x in_features x out_features), or `math.inf` where oneDNN's
-        multiply-adds are not faster than MKL's or PyTorch has no oneDNN.
-    """
+def _measured_onednn_min_product() -> float:
     if _ONEDNN_LINEAR is None:
         return math.inf
-    with torch.no_grad():
-        mkl_call, mkl_multiply_add = _product_cost(F.linear)
-        onednn_call, onednn_multiply_add = _product_cost(lambda x, w: _ONEDNN_LINEAR(x, w, None, "none", [], ""))
+    try:
+        with torch.no_grad():
+            mkl_call, mkl_multiply_add = _product_cost(F.linear)
+            onednn_call, onednn_multiply_add = _product_cost(_onednn_product)
+    except RuntimeError:  # a oneDNN that cannot run on this CPU
+        return math.inf
     if onednn_multiply_add >= mkl_multiply_add:
         return math.inf
     crossing = max(onednn_call - mkl_call, 0.0) / (mkl_multiply_add - onednn_multiply_add)
-    return float(2 ** round(math.log2(max(crossing, 1.0))))
+    return float(2 ** round(math.log2(max(crossing, _ONEDNN_FLOOR))))
+
+
+def onednn_min_product() -> float:
+    """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU.
+
+    For the projections of §3.2.2, §3.3 and §3.4 (`linear`). A oneDNN call costs more than an MKL one (about
+    10 us); its multiply-adds ran 2 to 2.7 times as fast as MKL's on one AMD processor with AVX-512 and about
+    1.1 times on another (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
+    is measured, once per process, when the first product of at least 2^18 multiply-adds comes, with the
+    threads PyTorch uses then: each library's time per call and per multiply-add, from one small and one
+    large product (about 20 ms in all), give the size at which their times cross, rounded to a power of two
+    so that the noise of one measurement seldom moves it. Where the two libraries are close, separate
+    processes may still measure neighbouring powers, and products near them round differently: the
+    environment variable `VASWANI_ONEDNN_MIN_PRODUCT` (a number of multiply-adds, or `inf` for never) pins
+    the size instead, for runs that must agree to the bit (docs/robustness.md, "Determinism").
+
+    Returns:
+        Multiply-adds (rows x in_features x out_features): a power of two from 2^18 when measured, `math.inf`
+        where oneDNN's multiply-adds are not faster than MKL's or PyTorch has no oneDNN.
+
+    Raises:
+        ValueError: `VASWANI_ONEDNN_MIN_PRODUCT` is set to something other than a number.
+    """
+    pinned = os.environ.get(ONEDNN_MIN_PRODUCT_ENV)
+    if pinned is not None:
+        try:
+            return float(pinned)
+        except ValueError:
+            raise ValueError(
+                f"{ONEDNN_MIN_PRODUCT_ENV}={pinned!r} is not a number of multiply-adds: give one, e.g. 8388608, "
+                "or inf to keep every product on MKL, or unset it to measure."
+            ) from None
+    with _MEASUREMENT_LOCK:  # one measurement, even when the first products come from several threads at once
+        return _measured_onednn_min_product()
 
 
 def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
-    # chooses its own kernels), autocast; and where the user turned oneDNN off (`torch.backends.mkldnn.flags`).
-    # Compilation is asked first: a size compared while tracing would become a guard, and a recompilation. The
-    # size last, so that the measurement behind it never runs inside a trace or a transform.
+    # chooses its own kernels), autocast, and modes that watch the dispatcher (FLOP counters, fake tensors); and
+    # where the user turned oneDNN off (`torch.backends.mkldnn.flags`). Compilation is asked first: a size compared
+    # while tracing would become a guard, and a recompilation. Then the fixed floor, which spares most products of
+    # a decoding step the rest; the measured size last, so that its measurement never runs inside a trace or mode.
     return (
         not torch.compiler.is_compiling()
+        and input.numel() * weight.shape[0] >= _ONEDNN_FLOOR
         and _ONEDNN_LINEAR is not None
         and torch.backends.mkldnn.enabled
         and input.device.type == weight.device.type == "cpu"
@@ -95,14 +132,22 @@ def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and not torch.is_autocast_enabled("cpu")
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
+        and not torch._C._len_torch_dispatch_stack()
         and input.numel() * weight.shape[0] >= onednn_min_product()
     )
 
 
-def _transposed_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # a^T b of (rows, m) and (rows, n), a weight gradient, as `linear`: a^T (b^T)^T, or (b^T a)^T. oneDNN copies the
-    # transposed first operand into a contiguous one, so the narrower of a and b takes that place.
-    return linear(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else linear(a.t(), b.t())
+def _onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x W^T + b by oneDNN, asking nothing: for callers that chose it already.
+    return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+
+
+def _transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable | None = None) -> torch.Tensor:
+    # a^T b of (rows, m) and (rows, n), a weight gradient, by `product` (`linear` by default): a^T (b^T)^T, or
+    # (b^T a)^T. oneDNN copies the transposed first operand into a contiguous one, so the narrower of a and b
+    # takes that place.
+    product = product or linear
+    return product(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else product(a.t(), b.t())
 
 
 class OneDNNLinear(torch.autograd.Function):
@@ -117,7 +162,7 @@ class OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
-        return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+        return _onednn_product(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -158,7 +203,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(input, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
         return OneDNNLinear.apply(input, weight, bias)
-    return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+    return _onednn_product(input, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -279,6 +324,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
         mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
+        # One library for every chunk, chosen for the whole batch: the last, shorter chunk rounds as the others.
         onednn = _uses_onednn(computed_hidden, weight, bias)
         # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
         # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
@@ -288,7 +334,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         for start in range(0, computed_hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             if onednn:
-                logits = linear(computed_hidden[rows], weight, bias)
+                logits = _onednn_product(computed_hidden[rows], weight, bias)
             else:
                 logits = logits_buffer[: len(computed_hidden[rows])]
                 if mixed:
@@ -311,9 +357,10 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 losses = losses * weights[rows, 0]
                 grad.mul_(weights[rows])
             loss += losses.sum()
-            grad_computed[rows] = linear(grad.to(weight.dtype), weight.t())  # G W, a linear map whose weight is W^T
+            # G W, a linear map whose weight is W^T
+            grad_computed[rows] = (_onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
             if onednn:
-                grad_weight += _transposed_product(grad, computed_hidden[rows])
+                grad_weight += _transposed_product(grad, computed_hidden[rows], _onednn_product)
             elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                 grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
             else:

@@ -38,8 +38,9 @@ class TrainingConfig:
     they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
 
     Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size or budget that is not positive, or
-            fewer checkpoints kept than averaged.
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size or budget that is not positive, no
+            checkpoint clock (`save_steps` and `save_minutes` both 0) or a negative one, or fewer checkpoints kept
+            than averaged.
     """
 
     data: str
@@ -167,6 +168,8 @@ class TrainingConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.save_minutes is None:  # None meant "by steps only" before 0 did
+            self.save_minutes = 0.0
         if self.save_steps < 0 or self.save_minutes < 0 or not (self.save_steps or self.save_minutes):
             raise ValueError(
                 f"save_steps and save_minutes must not be negative, and one must be positive (0 turns a clock off), "
