@@ -201,9 +201,10 @@ def train(config: TrainingConfig) -> Path:
     One optimizer step accumulates `update_freq` token-budget batches on every process; its loss
     is the label-smoothed cross entropy summed over all of them and divided by their number of
     target tokens, so that the update is that of one big batch whatever the split (§5.1, §5.4).
-    A checkpoint is written every `save_steps` steps and every `save_minutes` minutes; with `resume`, a run
-    continues from its newest checkpoint and ends with the parameters an uninterrupted run would
-    have had (bitwise on CPU). The last `average_last` checkpoints are averaged into the model (§6.1).
+    A checkpoint is written every `save_steps` steps, and once `save_minutes` minutes have passed since
+    the last one (0 turns either clock off); with `resume`, a run continues from its newest checkpoint
+    and ends with the parameters an uninterrupted run would have had (bitwise on CPU). The last
+    `average_last` checkpoints are averaged into the model (§6.1).
 
     Args:
         config: the run's settings.

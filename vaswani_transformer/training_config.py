@@ -94,7 +94,7 @@ class TrainingConfig:
     )
     save_minutes: float = option(
         0.0,
-        help="a checkpoint every this many minutes of training (0: by --save-steps only)",
+        help="a checkpoint once this many minutes have passed since the last one (0: by --save-steps only)",
         group="checkpoints and faults",
     )
     keep_checkpoints: int | None = option(
