@@ -25,7 +25,7 @@ python -m pip install --quiet --disable-pip-version-check -e ".[plot]"  # plot: 
 
 TRAIN_MINUTES=${TRAIN_MINUTES:-20} bash scripts/recipes/multi30k.sh "$DATA_DIR" "$OUTPUT_DIR" "$SRC" "$TGT" \
     --model-option d_ff=256 --model-option dropout=0.0 --learning-rate-scale 1.75 --eval-steps 1000 \
-    --save-steps 100 --save-minutes 0 --average-last 5 --choose-num-beams 4 --choose-length-penalty 0.6 1.0 > /dev/null
+    --save-steps 100 --save-minutes 0 --average-last 5 --mixed-precision no --choose-num-beams 4 --choose-length-penalty 0.6 1.0 > /dev/null
 
 for source in "$DATA_DIR"/test*."$SRC"; do
     [ -e "$source" ] || continue

@@ -8,6 +8,7 @@ projection tied to the embeddings (§3.4) and its label-smoothed loss (§5.4). D
 `generation_vaswani.py`, the CPU kernels of the linear maps, dropout and loss in `ops_vaswani.py`.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -32,7 +33,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
-from .ops_vaswani import Linear, label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy, residual_dropout
+from .ops_vaswani import (
+    Linear,
+    float32_attention_is_faster,
+    label_smoothed_cross_entropy,
+    linear_label_smoothed_cross_entropy,
+    residual_dropout,
+)
 
 # Saving copies a model file's relative imports, and `trust_remote_code` fetches them: the pipeline's too.
 from .pipeline_vaswani import TranslationPipeline
@@ -139,6 +146,19 @@ def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     )
 
 
+def _float32_attention_is_faster(query: torch.Tensor) -> bool:
+    # Training under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose
+    # backward pass is several times slower than float32's on CPUs without matrix units (docs/performance.md,
+    # "Mixed precision on CPUs"); measured once per process, as products to oneDNN are.
+    return (
+        query.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and float32_attention_is_faster(torch.get_autocast_dtype("cpu"))
+    )
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
 
@@ -234,9 +254,16 @@ class MultiHeadAttention(nn.Module):
             implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         dropout = self.dropout if self.training else 0.0
-        output, weights = attention(
-            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-        )
+        precision = contextlib.nullcontext()
+        if implementation == "sdpa" and _float32_attention_is_faster(query):
+            precision = torch.autocast("cpu", enabled=False)
+            query, key, value = query.float(), key.float(), value.float()
+            if attention_mask is not None and attention_mask.is_floating_point():
+                attention_mask = attention_mask.float()
+        with precision:
+            output, weights = attention(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
         output = self.out_proj(output.reshape(*hidden_states.shape[:-1], -1))
         return output.reshape(rows, -1, output.shape[-1]), weights
 

@@ -217,6 +217,49 @@ class Linear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
+# §3.2.1 Attention under autocast ----------------------------------------------------------------
+
+
+@functools.cache
+def _measured_float32_attention_is_faster(dtype: torch.dtype) -> bool:
+    # PyTorch's fused attention for the CPU, forward and backward at a training size, in each dtype (best of 5).
+    # Constant operands: the values do not change the time, and the global random generator stays untouched.
+    def seconds(operand_dtype: torch.dtype) -> float:
+        operands = [torch.full((16, 4, 32, 32), 0.5, dtype=operand_dtype, requires_grad=True) for _ in range(3)]
+        best = math.inf
+        for _ in range(6):
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(*operands, is_causal=True).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            return seconds(torch.float32) < seconds(dtype)
+    except RuntimeError:  # no kernel for this dtype on this CPU
+        return True
+
+
+def float32_attention_is_faster(dtype: torch.dtype) -> bool:
+    """Whether attention (§3.2.1, Eq. 1) trains faster in float32 than in `dtype` on this CPU.
+
+    Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass on
+    CPUs without matrix units ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed
+    precision on CPUs"): there training under `--mixed-precision bf16` keeps attention in float32, as
+    autocast keeps softmax and layer norms, while the projections run in `dtype`. Measured once per process
+    and dtype: the kernel's forward and backward at a training size (16 x 4 heads x 32 x 32), in both dtypes,
+    best of 6 each (about 30 ms in all).
+
+    Args:
+        dtype: the lower precision, `torch.bfloat16` or `torch.float16`.
+
+    Returns:
+        True where float32 is faster, or where the kernel cannot run in `dtype` here.
+    """
+    with _MEASUREMENT_LOCK:  # one measurement, even when the first steps come from several threads at once
+        return _measured_float32_attention_is_faster(dtype)
+
+
 # §5.4 Residual dropout ----------------------------------------------------------------------------
 
 
@@ -416,8 +459,15 @@ def linear_label_smoothed_cross_entropy(
         RuntimeError: the shapes of `hidden` and `weight` do not fit (from the matrix product).
     """
     bias = bias.flatten() if bias is not None else None
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        # The projection in autocast's precision, as the projection alone would run under autocast; the softmax
+        # and the accumulated gradients stay in float32 (the mixed path of `LinearLabelSmoothedCrossEntropy`).
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     # Ignored positions are left out on the CPU only: elsewhere it would cost a host synchronisation per step.
-    drop_ignored = hidden.device.type == "cpu"
+    drop_ignored = device == "cpu"
     loss = LinearLabelSmoothedCrossEntropy.apply(
         hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
     )
