@@ -349,6 +349,35 @@ def test_bf16_autocast_on_cpu_runs_and_stays_close_to_float32(tokenizer, test_se
     assert gradient.dtype == torch.float32 and torch.isfinite(gradient).all() and gradient.abs().sum() > 0
 
 
+@pytest.mark.parametrize("float32_attention", [True, False])
+def test_bf16_autocast_training_runs_attention_in_the_precision_measured_faster(
+    tokenizer, test_sentences, monkeypatch, float32_attention
+):
+    model = random_model(tokenizer, seed=11)  # eval mode: no dropout, so both passes compute the same function
+    batch = seq2seq_batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
+    model(**batch).loss.backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr(modeling_vaswani, "float32_attention_is_faster", lambda dtype: float32_attention)
+    kernel, kernel_dtypes = F.scaled_dot_product_attention, []
+
+    def recorded(query, *args, **kwargs):
+        kernel_dtypes.append(query.dtype)
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    # The encoder's and decoder's self-attention and the encoder-decoder attention of every layer, each in
+    # the precision chosen; the projections around them stay bfloat16 (autocast's).
+    layers = model.config.encoder_layers + 2 * model.config.decoder_layers
+    assert kernel_dtypes == [torch.float32 if float32_attention else torch.bfloat16] * layers
+    for name, p in model.named_parameters():
+        error = (p.grad - reference[name]).norm() / reference[name].norm()
+        assert error < 0.05, f"{name}: the bf16 gradient is {error:.3f} of the float32 one away from it"
+
+
 def test_resize_token_embeddings_keeps_the_three_uses_tied(tokenizer):
     model = random_model(tokenizer)
     model.resize_token_embeddings(len(tokenizer) + 8)

@@ -155,6 +155,42 @@ def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logi
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
+def test_under_autocast_the_fused_loss_projects_in_bf16_as_the_materialised_logits_do(monkeypatch):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 300, 64, requires_grad=True)  # 600 positions: three chunks of the CPU's 256
+    weight = torch.randn(8000, 64, requires_grad=True)
+    labels = torch.randint(0, 8000, (2, 300))
+    labels[1, 250:] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden, weight)
+    reference = label_smoothed_cross_entropy(logits, labels, epsilon=0.1)
+    expected = torch.autograd.grad(reference, (hidden, weight))
+    linear_dtypes, product = [], F.linear
+
+    def recorded(input, *args, **kwargs):
+        linear_dtypes.append(input.dtype)
+        return product(input, *args, **kwargs)
+
+    monkeypatch.setattr(F, "linear", recorded)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = linear_label_smoothed_cross_entropy(hidden, weight, labels, epsilon=0.1)
+    assert fused.dtype == torch.float32 and set(linear_dtypes) == {torch.bfloat16}
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(torch.autograd.grad(fused, (hidden, weight)), expected, strict=True):
+        assert ours.dtype == torch.float32
+        assert (ours - theirs).norm() / theirs.norm() < 0.01
+
+
+def test_whether_attention_trains_faster_in_float32_is_measured_once_without_touching_the_random_generator():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert ops_vaswani._measured_float32_attention_is_faster.__wrapped__(torch.bfloat16) in (True, False)
+    assert torch.equal(torch.rand(3), expected)
+    first = ops_vaswani.float32_attention_is_faster(torch.bfloat16)
+    assert ops_vaswani.float32_attention_is_faster(torch.bfloat16) is first  # measured once per process
+
+
 def test_label_smoothed_loss_equals_a_hand_computed_value():
     # Vocabulary of 3, epsilon 0.1: the target distribution is 0.9 one-hot + 0.1 / 3 everywhere.
     logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]]])

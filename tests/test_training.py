@@ -93,6 +93,20 @@ def test_training_config_needs_a_budget():
         TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1, max_tokens=0)
 
 
+def test_mixed_precision_auto_trains_in_what_is_measured_faster_and_records_it(mini_corpus, tmp_path, monkeypatch):
+    from vaswani_transformer import training
+
+    with pytest.raises(ValueError, match="mixed_precision must be one of no, bf16, fp16, auto"):
+        mini_run(mini_corpus, tmp_path / "refused", mixed_precision="bf32")
+    assert training.fastest_mixed_precision("cpu") in ("bf16", "no")
+    assert training.fastest_mixed_precision("mps") == "no"
+    # Whatever this CPU measures, a run resolves auto before Accelerate starts and records its choice.
+    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device_type: "bf16")
+    output = training.train(mini_run(mini_corpus, tmp_path / "run", max_steps=3, mixed_precision="auto"))
+    assert json.loads((output / "training_config.json").read_text())["mixed_precision"] == "bf16"
+    assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in read_log(output) if "train_loss" in r)
+
+
 def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):
     from vaswani_transformer import checkpoints as ckpt
     from vaswani_transformer.training import train
