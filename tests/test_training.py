@@ -93,18 +93,28 @@ def test_training_config_needs_a_budget():
         TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1, max_tokens=0)
 
 
-def test_mixed_precision_auto_trains_in_what_is_measured_faster_and_records_it(mini_corpus, tmp_path, monkeypatch):
+def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, tmp_path, monkeypatch):
     from vaswani_transformer import training
 
     with pytest.raises(ValueError, match="mixed_precision must be one of no, bf16, fp16, auto"):
         mini_run(mini_corpus, tmp_path / "refused", mixed_precision="bf32")
-    assert training.fastest_mixed_precision("cpu") in ("bf16", "no")
-    assert training.fastest_mixed_precision("mps") == "no"
-    # Whatever this CPU measures, a run resolves auto before Accelerate starts and records its choice.
-    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device_type: "bf16")
-    output = training.train(mini_run(mini_corpus, tmp_path / "run", max_steps=3, mixed_precision="auto"))
+    for faster, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(training, "bfloat16_products_are_faster", lambda faster=faster: faster)
+        assert training.fastest_mixed_precision(torch.device("cpu")) == expected
+    assert training.fastest_mixed_precision(torch.device("meta")) == "no"
+    measured = []
+    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device: measured.append(device.type) or "bf16")
+    config = mini_run(mini_corpus, tmp_path / "run", max_steps=2, save_steps=1, mixed_precision="auto", resume=True)
+    output = training.train(config)
+    assert measured == ["cpu"]
     assert json.loads((output / "training_config.json").read_text())["mixed_precision"] == "bf16"
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in read_log(output) if "train_loss" in r)
+    # Resumed, the run keeps the precision it started with rather than measuring again.
+    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device: measured.append(device.type) or "no")
+    training.train(
+        mini_run(mini_corpus, tmp_path / "run", max_steps=3, save_steps=1, mixed_precision="auto", resume=True)
+    )
+    assert measured == ["cpu"] and [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
 
 
 def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):

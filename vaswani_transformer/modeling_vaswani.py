@@ -147,14 +147,19 @@ def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _float32_attention_is_faster(query: torch.Tensor) -> bool:
-    # Training under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose
-    # backward pass is several times slower than float32's on CPUs without matrix units (docs/performance.md,
-    # "Mixed precision on CPUs"); measured once per process, as products to oneDNN are.
+    # With gradients under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose
+    # backward pass ran several times slower than float32's on a CPU without matrix units (docs/performance.md,
+    # "Mixed precision on CPUs"); measured once per process, as products to oneDNN are. Not while compiling
+    # (Inductor chooses its own kernels) or tracing, nor under transforms and modes that watch the dispatcher,
+    # whose timings would mean nothing.
     return (
-        query.device.type == "cpu"
+        not torch.compiler.is_compiling()
+        and query.device.type == "cpu"
         and torch.is_grad_enabled()
         and torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch._C._len_torch_dispatch_stack()
         and float32_attention_is_faster(torch.get_autocast_dtype("cpu"))
     )
 

@@ -44,21 +44,27 @@ ONEDNN_MIN_PRODUCT_ENV = "VASWANI_ONEDNN_MIN_PRODUCT"
 _MEASUREMENT_LOCK = threading.Lock()
 
 
+def _best_seconds(call: Callable[[], object], repeats: int) -> float:
+    # The fastest of `repeats` timed calls, after one untimed call that warms caches and allocators up. The
+    # measurements of this module and `training.fastest_mixed_precision` use constant operands: the values do not
+    # change the time, and the global random generator stays untouched.
+    call()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _product_cost(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[float, float]:
     # Seconds per call and per multiply-add of one library's float32 products, from a small product, whose time
-    # is mostly the call's, and a large one, whose time is mostly its multiply-adds (best of 7 each). Constant
-    # operands: the values do not change the time, and the global random generator stays untouched.
+    # is mostly the call's, and a large one, whose time is mostly its multiply-adds (best of 7 each).
     timings = []
     for rows, width in ((8, 128), (256, 512)):
         input = torch.full((rows, width), 0.5, dtype=torch.float32, device="cpu")
         weight = torch.full((width, width), 0.25, dtype=torch.float32, device="cpu")
-        product(input, weight)
-        seconds = math.inf
-        for _ in range(7):
-            start = time.perf_counter()
-            product(input, weight)
-            seconds = min(seconds, time.perf_counter() - start)
-        timings.append((rows * width * width, seconds))
+        timings.append((rows * width * width, _best_seconds(functools.partial(product, input, weight), 7)))
     (small, small_seconds), (large, large_seconds) = timings
     per_multiply_add = max(large_seconds - small_seconds, 0.0) / (large - small)
     return small_seconds - per_multiply_add * small, per_multiply_add
@@ -217,38 +223,42 @@ class Linear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
-# §3.2.1 Attention under autocast ----------------------------------------------------------------
+# Mixed precision on CPUs: attention (§3.2.1) and the products in bfloat16 --------------------------
 
 
 @functools.cache
 def _measured_float32_attention_is_faster(dtype: torch.dtype) -> bool:
     # PyTorch's fused attention for the CPU, forward and backward at a training size, in each dtype (best of 5).
-    # Constant operands: the values do not change the time, and the global random generator stays untouched.
+    # Identity hooks on saved tensors: inside a forward pass under gradient checkpointing, the checkpoint's own
+    # hooks would otherwise take these tensors, and this backward pass would recompute the layer, and so call
+    # this measurement again.
     def seconds(operand_dtype: torch.dtype) -> float:
         operands = [torch.full((16, 4, 32, 32), 0.5, dtype=operand_dtype, requires_grad=True) for _ in range(3)]
-        best = math.inf
-        for _ in range(6):
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(*operands, is_causal=True).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        return best
+        return _best_seconds(lambda: F.scaled_dot_product_attention(*operands, is_causal=True).sum().backward(), 5)
 
-    try:
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-            return seconds(torch.float32) < seconds(dtype)
-    except RuntimeError:  # no kernel for this dtype on this CPU
-        return True
+    identity = lambda tensor: tensor  # noqa: E731
+    with (
+        torch.enable_grad(),
+        torch.autocast("cpu", enabled=False),
+        torch.autograd.graph.saved_tensors_hooks(identity, identity),
+    ):
+        float32 = seconds(torch.float32)
+        try:
+            return float32 < seconds(dtype)
+        except RuntimeError:  # no kernel for this dtype on this CPU
+            return True
 
 
 def float32_attention_is_faster(dtype: torch.dtype) -> bool:
     """Whether attention (§3.2.1, Eq. 1) trains faster in float32 than in `dtype` on this CPU.
 
-    Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass on
-    CPUs without matrix units ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed
-    precision on CPUs"): there training under `--mixed-precision bf16` keeps attention in float32, as
-    autocast keeps softmax and layer norms, while the projections run in `dtype`. Measured once per process
-    and dtype: the kernel's forward and backward at a training size (16 x 4 heads x 32 x 32), in both dtypes,
-    best of 6 each (about 30 ms in all).
+    Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass
+    on a Zen 4 ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed precision on
+    CPUs"). Where float32 is faster, `MultiHeadAttention` computes attention in float32 when gradients
+    are enabled under CPU autocast (outside `torch.compile`, which chooses its own kernels), as
+    autocast keeps softmax and layer norms in float32; the projections still run in `dtype`. Measured
+    once per process and dtype: the kernel's forward and backward at a training size (16 sentences x
+    4 heads x 32 positions x 32 dimensions), in both dtypes, best of 5 each (about 30 ms in all).
 
     Args:
         dtype: the lower precision, `torch.bfloat16` or `torch.float16`.
@@ -258,6 +268,28 @@ def float32_attention_is_faster(dtype: torch.dtype) -> bool:
     """
     with _MEASUREMENT_LOCK:  # one measurement, even when the first steps come from several threads at once
         return _measured_float32_attention_is_faster(dtype)
+
+
+def bfloat16_products_are_faster() -> bool:
+    """Whether this CPU computes the products of training (§3.2.2, §3.3, §3.4) clearly faster in bfloat16.
+
+    A CPU with bfloat16 instructions (AVX512_BF16, AMX) computes them about twice as fast as float32;
+    one without converts the operands and is slower (docs/performance.md, "Mixed precision on CPUs").
+    Measured on each call: a product of a training step's size (4,096 x 256 by 256 x 1,024), in
+    float32 as the model computes it (`linear`) and in bfloat16 under autocast, best of 5 each (about
+    0.1 s); "clearly" is at most 0.8 of float32's time, since bfloat16 also rounds.
+
+    Returns:
+        True where the bfloat16 product takes at most 0.8 of the float32 product's time.
+    """
+    input, weight = torch.full((4096, 256), 0.5), torch.full((1024, 256), 0.25)
+
+    def bfloat16_product() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.linear(input, weight)
+
+    with torch.no_grad():
+        return _best_seconds(bfloat16_product, 5) <= 0.8 * _best_seconds(lambda: linear(input, weight), 5)
 
 
 # §5.4 Residual dropout ----------------------------------------------------------------------------
@@ -341,7 +373,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     states, the `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored),
     epsilon and a bool, and returns the summed loss in nats, a scalar in at least float32. Its
     gradients are constants of the forward pass: differentiating them again raises RuntimeError
-    (`once_differentiable`).
+    (`once_differentiable`). Under bfloat16 autocast its products take bfloat16 operands, as the
+    projection alone would under autocast, while the softmax and the gradients stay in float32.
     """
 
     @staticmethod
@@ -354,6 +387,14 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         epsilon: float,
         drop_ignored: bool,
     ) -> torch.Tensor:
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+            # The projection in bfloat16, as the projection alone would run under autocast; the softmax and the
+            # gradients, accumulated over the chunks, stay in float32 (float16 would need the loss scale first).
+            hidden, weight, bias = (
+                t.bfloat16() if t is not None and t.dtype == torch.float32 else t for t in (hidden, weight, bias)
+            )
         vocab_size = weight.shape[0]
         # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
         # launches few. At least 256 positions a chunk keep the matrix products efficient.
@@ -417,7 +458,6 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         if drop_ignored:  # back to every position, zero where ignored
             grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return loss
 
     @staticmethod
@@ -440,7 +480,8 @@ def linear_label_smoothed_cross_entropy(
     """The label-smoothed cross entropy (§5.4) of the logits hidden W^T + b (§3.4), without materialising them.
 
     The same value and gradients as the pre-softmax projection followed by
-    `label_smoothed_cross_entropy`, in float32 logits (`LinearLabelSmoothedCrossEntropy`),
+    `label_smoothed_cross_entropy`, in float32 logits (from bfloat16 products under bfloat16 autocast;
+    `LinearLabelSmoothedCrossEntropy`),
     with memory for a chunk of the (positions x vocab_size) logits instead of all of them and their gradient
     (docs/performance.md, "Fused projection and loss").
 
@@ -459,15 +500,8 @@ def linear_label_smoothed_cross_entropy(
         RuntimeError: the shapes of `hidden` and `weight` do not fit (from the matrix product).
     """
     bias = bias.flatten() if bias is not None else None
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        # The projection in autocast's precision, as the projection alone would run under autocast; the softmax
-        # and the accumulated gradients stay in float32 (the mixed path of `LinearLabelSmoothedCrossEntropy`).
-        dtype = torch.get_autocast_dtype(device)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
     # Ignored positions are left out on the CPU only: elsewhere it would cost a host synchronisation per step.
-    drop_ignored = device == "cpu"
+    drop_ignored = hidden.device.type == "cpu"
     loss = LinearLabelSmoothedCrossEntropy.apply(
         hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
     )

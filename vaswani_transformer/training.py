@@ -17,8 +17,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, TorchDynamoPlugin, broadcast, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, TorchDynamoPlugin, broadcast, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
@@ -28,7 +28,7 @@ from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batc
 from .flops import peak_flops, training_flops
 from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
-from .ops_vaswani import linear
+from .ops_vaswani import bfloat16_products_are_faster
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
 from .training_config import TrainingConfig
@@ -57,47 +57,28 @@ def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float =
     return learning_rate
 
 
-def fastest_mixed_precision(device_type: str) -> str:
-    """What `--mixed-precision auto` trains in on this machine: "bf16" where it is clearly faster, else "no".
+def fastest_mixed_precision(device: torch.device) -> str:
+    """What `--mixed-precision auto` trains in on `device`: "bf16" where it is clearly faster, else "no".
 
-    On a CUDA GPU, "bf16" where the GPU supports bfloat16 (its matrix units' 16-bit format since Ampere).
-    On the CPU it is measured, since it depends on the processor's instructions: a product of a training
-    step's size (4,096 x 256 by 256 x 1,024), in float32 as the model computes it (`ops_vaswani.linear`) and
-    in bfloat16 under autocast, best of 5 each (about 0.1 s); "bf16" where bfloat16 takes at most 0.8 of
-    float32's time. A CPU with bfloat16 instructions (AVX512_BF16, AMX) runs it about twice as fast; one
-    without converts every operand to float32 and is slower (docs/performance.md, "Mixed precision on
-    CPUs"). bfloat16 rounds the products' operands to 8 significant bits; weights, Adam's state, the
-    softmax over the vocabulary and, on CPUs, attention stay in float32. Other devices: "no".
+    Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs); it changes the
+    rounding of the products, not the model. On a CUDA GPU, "bf16" from compute capability 8.0
+    (Ampere), whose matrix units compute bfloat16 (older GPUs emulate it). On the CPU it is measured,
+    since it depends on the processor's instructions: "bf16" where
+    `ops_vaswani.bfloat16_products_are_faster()`, as on CPUs with AVX512_BF16 or AMX
+    (docs/performance.md, "Mixed precision on CPUs"). Weights, Adam's state, the softmax over the
+    vocabulary and, where faster, attention stay in float32. Other devices: "no".
 
     Args:
-        device_type: the device training runs on, "cpu" or "cuda" (others give "no").
+        device: the device training runs on.
 
     Returns:
         "bf16" or "no", a value of `TrainingConfig.mixed_precision`.
     """
-    if device_type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    if device_type != "cpu":
-        return "no"
-    input = torch.full((4096, 256), 0.5)
-    weight = torch.full((1024, 256), 0.25)
-
-    def seconds(product: Callable[[], torch.Tensor]) -> float:
-        product()
-        best = math.inf
-        for _ in range(5):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def bfloat16_product() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return torch.nn.functional.linear(input, weight)
-
-    with torch.no_grad():
-        float32, bfloat16 = seconds(lambda: linear(input, weight)), seconds(bfloat16_product)
-    return "bf16" if bfloat16 <= 0.8 * float32 else "no"
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "no"
+    if device.type == "cpu":
+        return "bf16" if bfloat16_products_are_faster() else "no"
+    return "no"
 
 
 def avoid_cudnn_attention() -> None:
@@ -310,9 +291,8 @@ class TrainingRun:
         # The processes, the output directory, and the checkpoint to resume from (None: a new run).
         config = self.config
         launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-        if config.mixed_precision == "auto":  # resolved here, so that training_config.json records the choice
-            device_type = "cuda" if torch.cuda.is_available() and not launched_on_cpus else "cpu"
-            self.config = config = replace(config, mixed_precision=fastest_mixed_precision(device_type))
+        if config.mixed_precision == "auto":
+            self.config = config = replace(config, mixed_precision=self._resolve_mixed_precision(launched_on_cpus))
         self.accelerator = accelerator = Accelerator(
             cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
             mixed_precision=config.mixed_precision,
@@ -339,6 +319,20 @@ class TrainingRun:
         accelerator.wait_for_everyone()
         set_seed(config.seed, device_specific=True)  # different dropout masks on every process
         return resume_from, state
+
+    def _resolve_mixed_precision(self, launched_on_cpus: bool) -> str:
+        # `auto`, before Accelerate starts: the resumed run's choice where there is one (training_config.json), so
+        # that a run never changes precision halfway; else measured by the main process alone, while the others
+        # wait, and given to all, so that every process trains alike. Recorded in training_config.json.
+        state = PartialState(cpu=launched_on_cpus)
+        saved = self.output_dir / "training_config.json"
+        choice = [None]
+        if state.is_main_process:
+            if self.config.resume and saved.is_file() and ckpt.list_checkpoints(self.checkpoints_dir):
+                choice = [json.loads(saved.read_text())["mixed_precision"]]
+            else:
+                choice = [fastest_mixed_precision(state.device)]
+        return broadcast_object_list(choice)[0]
 
     def _load_data_and_model(self, resume_from: Path | None) -> VaswaniForConditionalGeneration:
         # The corpus, its tokenizer and batches, and a new model sized for the tokenizer.
