@@ -29,12 +29,15 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
     python scripts/benchmark.py --presets small base --threads 2 [--model outputs/multi30k-en-de]
 
 writes `benchmarks/results/DATE_DEVICE_COMMIT.{json,md}` (the CPU model and its widest vector
-extension, or the GPU and dtype; refusing to overwrite an earlier run), with the machine, its vector
-extensions, GPU driver and CUDA, the commit and library versions in the report. With `--device cuda
---dtype bfloat16` (or float16) it measures on the GPU instead: training in mixed
+extension, with the dtype where it is not float32, or the GPU and dtype; refusing to overwrite an
+earlier run), with the machine, its vector extensions, GPU driver and CUDA, the commit and library
+versions in the report. With `--device cuda --dtype bfloat16` (or float16) it measures on the GPU
+instead: training in mixed
 precision (autocast, and a gradient scaler for float16, as `train --mixed-precision` runs it, and
 without cuDNN's attention, as `train` does: `training.avoid_cudnn_attention`),
 decoding with the weights in that dtype, CTranslate2 with that compute type (int8: int8_<dtype>).
+On the CPU, `--dtype bfloat16 --tasks train` measures training under bfloat16 autocast for both
+engines, as `train --mixed-precision bf16` runs it (decoding on the CPU is float32 only).
 Multi30k is read from `--data-dir` (default: ../shared/data/multi30k beside the repository); nothing
 from it is written to the repository.
 
@@ -229,12 +232,13 @@ def _nvidia_driver() -> str | None:
 
 
 def report_stem(report: dict) -> str:
-    """`DATE_DEVICE_COMMIT`: a run's file set in benchmarks/results/ (e.g. 2026-11-24_cpu-xeon-amx_1a2b3c4)."""
+    """`DATE_DEVICE_COMMIT`: a run's file set in benchmarks/results/ (e.g. 2026-11-24_cpu-xeon-amx_1a2b3c4, with
+    `-bfloat16` after the vector extension for a CPU run of training in mixed precision)."""
     machine = report["machine"]
     if report["device"] == "cpu":
         extensions = machine["cpu_vector_extensions"]
         widest = next((x for x in ("amx", "avx512", "avx2") if any(e.startswith(x) for e in extensions)), "novec")
-        device = f"cpu-{machine['cpu']}-{widest}"
+        device = f"cpu-{machine['cpu']}-{widest}" + (f"-{report['dtype']}" if report["dtype"] != "float32" else "")
     else:
         device = f"{machine['gpu']}-{report['dtype']}"
     device = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
@@ -368,6 +372,7 @@ def markdown(report: dict) -> str:
         + (" (training: mixed precision)" if report["dtype"] != "float32" else "")
         if report["device"] == "cuda"
         else f"{m['cpu']} ({' '.join(m['cpu_vector_extensions'])}), {report['threads']} threads of {m['cores']} cores"
+        + (f"; training in mixed precision ({report['dtype']} autocast)" if report["dtype"] != "float32" else "")
     )
     where += f"; commit {m['commit']}"
     if report.get("compile"):
@@ -793,14 +798,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of every child, order alternating (default: 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines run (default: cpu)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="training autocast and decoding dtype; float32 on the CPU (default: float32)")  # fmt: skip
+                        help="training autocast and decoding dtype; on the CPU float32, or bfloat16 for --tasks train "
+                        "(default: float32)")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where the reports go")
     parser.add_argument("--compile", action="store_true", help="torch.compile both engines' training (dynamic shapes)")
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.device == "cpu" and args.dtype != "float32":
-        parser.error(f"--dtype {args.dtype} is for --device cuda: on the CPU every engine runs in float32")
+    # Children get their task alone (`--child ENGINE TASK`), not --tasks.
+    bad_cpu_dtype = args.dtype == "float16" or (args.dtype == "bfloat16" and args.tasks != ["train"] and not args.child)
+    if args.device == "cpu" and bad_cpu_dtype:
+        parser.error(
+            f"--dtype {args.dtype} on the CPU: give --dtype bfloat16 --tasks train (training under autocast, as "
+            "`train --mixed-precision bf16` runs it); decoding on the CPU runs in float32"
+        )
     if args.child:
         child(args)
     else:

@@ -102,19 +102,29 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
         monkeypatch.setattr(training, "bfloat16_products_are_faster", lambda faster=faster: faster)
         assert training.fastest_mixed_precision(torch.device("cpu")) == expected
     assert training.fastest_mixed_precision(torch.device("meta")) == "no"
-    measured = []
-    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device: measured.append(device.type) or "bf16")
-    config = mini_run(mini_corpus, tmp_path / "run", max_steps=2, save_steps=1, mixed_precision="auto", resume=True)
-    output = training.train(config)
-    assert measured == ["cpu"]
+    measured, precisions, accelerator = [], [], training.Accelerator
+    monkeypatch.setattr(
+        training, "Accelerator", lambda **kw: precisions.append(kw["mixed_precision"]) or accelerator(**kw)
+    )
+
+    def run(max_steps, measures_as):
+        monkeypatch.setattr(training, "fastest_mixed_precision", lambda d: measured.append(d.type) or measures_as)
+        config = mini_run(mini_corpus, tmp_path / "run", max_steps=max_steps, save_steps=1, mixed_precision="auto")
+        config.resume = True
+        return training.train(config)
+
+    output = run(2, measures_as="bf16")
+    assert measured == ["cpu"] and precisions == ["bf16"]
     assert json.loads((output / "training_config.json").read_text())["mixed_precision"] == "bf16"
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in read_log(output) if "train_loss" in r)
-    # Resumed, the run keeps the precision it started with rather than measuring again.
-    monkeypatch.setattr(training, "fastest_mixed_precision", lambda device: measured.append(device.type) or "no")
-    training.train(
-        mini_run(mini_corpus, tmp_path / "run", max_steps=3, save_steps=1, mixed_precision="auto", resume=True)
-    )
-    assert measured == ["cpu"] and [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
+    # Resumed, the run keeps the precision it started with rather than measuring again...
+    run(3, measures_as="no")
+    assert measured == ["cpu"] and precisions == ["bf16", "bf16"]
+    assert [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
+    # ... unless its record is unreadable: then it measures, and says why.
+    (output / "training_config.json").write_text("{")
+    run(4, measures_as="no")
+    assert measured == ["cpu", "cpu"] and precisions == ["bf16", "bf16", "no"]
 
 
 def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):

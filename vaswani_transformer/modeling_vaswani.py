@@ -147,15 +147,15 @@ def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _float32_attention_is_faster(query: torch.Tensor) -> bool:
-    # With gradients under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose
-    # backward pass ran several times slower than float32's on a CPU without matrix units (docs/performance.md,
-    # "Mixed precision on CPUs"); measured once per process, as products to oneDNN are. Not while compiling
-    # (Inductor chooses its own kernels) or tracing, nor under transforms and modes that watch the dispatcher,
-    # whose timings would mean nothing.
+    # Under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose backward pass
+    # ran several times slower than float32's on a CPU without matrix units (docs/performance.md, "Mixed precision
+    # on CPUs"); measured once per process, as products to oneDNN are. With or without gradients alike, so that
+    # a checkpointed layer's recomputation computes what its first pass did. Not while compiling (Inductor
+    # chooses its own kernels) or tracing, nor under transforms and modes that watch the dispatcher, whose
+    # timings would mean nothing.
     return (
         not torch.compiler.is_compiling()
         and query.device.type == "cpu"
-        and torch.is_grad_enabled()
         and torch.is_autocast_enabled("cpu")
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()

@@ -8,6 +8,7 @@ docstring. Only PyTorch is imported here: the module is copied into saved models
 `trust_remote_code` loading.
 """
 
+import contextlib
 import functools
 import math
 import os
@@ -46,8 +47,8 @@ _MEASUREMENT_LOCK = threading.Lock()
 
 def _best_seconds(call: Callable[[], object], repeats: int) -> float:
     # The fastest of `repeats` timed calls, after one untimed call that warms caches and allocators up. The
-    # measurements of this module and `training.fastest_mixed_precision` use constant operands: the values do not
-    # change the time, and the global random generator stays untouched.
+    # measurements of this module use constant operands: the values do not change the time, and the global random
+    # generator stays untouched.
     call()
     best = math.inf
     for _ in range(repeats):
@@ -254,9 +255,10 @@ def float32_attention_is_faster(dtype: torch.dtype) -> bool:
 
     Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass
     on a Zen 4 ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed precision on
-    CPUs"). Where float32 is faster, `MultiHeadAttention` computes attention in float32 when gradients
-    are enabled under CPU autocast (outside `torch.compile`, which chooses its own kernels), as
-    autocast keeps softmax and layer norms in float32; the projections still run in `dtype`. Measured
+    CPUs"). Where float32 is faster, `MultiHeadAttention` computes attention in float32 under CPU
+    autocast, as autocast keeps softmax and layer norms in float32, and the projections still run in
+    `dtype`; not under `torch.compile` (which chooses its own kernels), TorchScript tracing,
+    `torch.func` transforms or modes that watch the dispatcher. Measured
     once per process and dtype: the kernel's forward and backward at a training size (16 sentences x
     4 heads x 32 positions x 32 dimensions), in both dtypes, best of 5 each (about 30 ms in all).
 
@@ -355,6 +357,15 @@ def label_smoothed_cross_entropy(
     return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    # Autocast's dtype where it is on for this kind of device; None where it is off, or knows no such device (meta).
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
 class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     """The summed label-smoothed cross entropy (§5.4) of logits = hidden W^T + b (§3.4), and its gradients, by chunks.
 
@@ -389,76 +400,84 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         device = hidden.device.type
-        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+        autocast_dtype = _autocast_dtype(device)
+        if autocast_dtype == torch.bfloat16:
             # The projection in bfloat16, as the projection alone would run under autocast; the softmax and the
-            # gradients, accumulated over the chunks, stay in float32 (float16 would need the loss scale first).
+            # gradients, accumulated over the chunks, stay in float32.
             hidden, weight, bias = (
                 t.bfloat16() if t is not None and t.dtype == torch.float32 else t for t in (hidden, weight, bias)
             )
-        vocab_size = weight.shape[0]
-        # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
-        # launches few. At least 256 positions a chunk keep the matrix products efficient.
-        budget = 2**21 if hidden.device.type == "cpu" else 2**27
-        chunk = max(256, budget // vocab_size)
-        dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
-        keep = labels.ne(-100)
-        computed_hidden = hidden[keep] if drop_ignored else hidden
-        computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
-        weights = None if drop_ignored else keep[:, None].to(dtype)
-        loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
-        mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
-        # One library for every chunk, chosen for the whole batch: the last, shorter chunk rounds as the others.
-        onednn = _uses_onednn(computed_hidden, weight, bias)
-        # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
-        # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
-        logits_buffer = None if onednn else hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
-        grad_weight = torch.zeros_like(weight, dtype=dtype)
-        grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
-        for start in range(0, computed_hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            if onednn:
-                logits = _onednn_product(computed_hidden[rows], weight, bias)
-            else:
-                logits = logits_buffer[: len(computed_hidden[rows])]
-                if mixed:
-                    logits.copy_(F.linear(computed_hidden[rows], weight, bias))
-                elif bias is not None:
-                    torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+        # Autocast off inside: the operands' dtypes decide every product (under float16 autocast, products of
+        # unscaled gradients would underflow).
+        with torch.autocast(device, enabled=False) if autocast_dtype is not None else contextlib.nullcontext():
+            vocab_size = weight.shape[0]
+            # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
+            # launches few. At least 256 positions a chunk keep the matrix products efficient.
+            budget = 2**21 if hidden.device.type == "cpu" else 2**27
+            chunk = max(256, budget // vocab_size)
+            dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
+            keep = labels.ne(-100)
+            computed_hidden = hidden[keep] if drop_ignored else hidden
+            computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
+            weights = None if drop_ignored else keep[:, None].to(dtype)
+            loss = torch.zeros((), dtype=dtype, device=hidden.device)
+            grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
+            mixed = (
+                hidden.dtype != dtype or weight.dtype != dtype
+            )  # mixed precision: products in the hidden states' dtype
+            # One library for every chunk, chosen for the whole batch: the last, shorter chunk rounds as the others.
+            onednn = _uses_onednn(computed_hidden, weight, bias)
+            # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
+            # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
+            logits_buffer = (
+                None if onednn else hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
+            )
+            grad_weight = torch.zeros_like(weight, dtype=dtype)
+            grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
+            for start in range(0, computed_hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                if onednn:
+                    logits = _onednn_product(computed_hidden[rows], weight, bias)
                 else:
-                    torch.mm(computed_hidden[rows], weight.t(), out=logits)
-            target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
-            mean_logit = logits.mean(dim=-1)
-            # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
-            max_logit = logits.amax(dim=-1, keepdim=True)
-            probabilities = logits.sub_(max_logit).exp_()
-            normaliser = probabilities.sum(dim=-1, keepdim=True)
-            log_z = (max_logit + normaliser.log()).squeeze(-1)
-            losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
-            grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
-            grad.scatter_add_(-1, computed_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
-            if weights is not None:
-                losses = losses * weights[rows, 0]
-                grad.mul_(weights[rows])
-            loss += losses.sum()
-            # G W, a linear map whose weight is W^T
-            grad_computed[rows] = (_onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
-            if onednn:
-                grad_weight += _transposed_product(grad, computed_hidden[rows], _onednn_product)
-            elif mixed:  # the product in the hidden states' dtype, accumulated in float32
-                grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
-            else:
-                # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
-                # again (docs/performance.md, "Fused projection and loss"). oneDNN's product, above, is faster
-                # even with the separate addition.
-                grad_weight.addmm_(grad.t(), computed_hidden[rows])
-            if grad_bias is not None:
-                grad_bias += grad.sum(dim=0)
-        grad_hidden = grad_computed
-        if drop_ignored:  # back to every position, zero where ignored
-            grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        return loss
+                    logits = logits_buffer[: len(computed_hidden[rows])]
+                    if mixed:
+                        logits.copy_(F.linear(computed_hidden[rows], weight, bias))
+                    elif bias is not None:
+                        torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+                    else:
+                        torch.mm(computed_hidden[rows], weight.t(), out=logits)
+                target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
+                mean_logit = logits.mean(dim=-1)
+                # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
+                max_logit = logits.amax(dim=-1, keepdim=True)
+                probabilities = logits.sub_(max_logit).exp_()
+                normaliser = probabilities.sum(dim=-1, keepdim=True)
+                log_z = (max_logit + normaliser.log()).squeeze(-1)
+                losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
+                grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
+                grad.scatter_add_(-1, computed_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+                if weights is not None:
+                    losses = losses * weights[rows, 0]
+                    grad.mul_(weights[rows])
+                loss += losses.sum()
+                # G W, a linear map whose weight is W^T
+                grad_computed[rows] = (_onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
+                if onednn:
+                    grad_weight += _transposed_product(grad, computed_hidden[rows], _onednn_product)
+                elif mixed:  # the product in the hidden states' dtype, accumulated in float32
+                    grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
+                else:
+                    # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
+                    # again (docs/performance.md, "Fused projection and loss"). oneDNN's product, above, is faster
+                    # even with the separate addition.
+                    grad_weight.addmm_(grad.t(), computed_hidden[rows])
+                if grad_bias is not None:
+                    grad_bias += grad.sum(dim=0)
+            grad_hidden = grad_computed
+            if drop_ignored:  # back to every position, zero where ignored
+                grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
+            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+            return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, TorchDynamoPlugin, broadcast, broadcast_object_list, set_seed
+from accelerate.utils import (
+    DistributedType,
+    TorchDynamoPlugin,
+    broadcast,
+    broadcast_object_list,
+    parse_flag_from_env,
+    set_seed,
+)
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
@@ -60,13 +67,13 @@ def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float =
 def fastest_mixed_precision(device: torch.device) -> str:
     """What `--mixed-precision auto` trains in on `device`: "bf16" where it is clearly faster, else "no".
 
-    Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs); it changes the
-    rounding of the products, not the model. On a CUDA GPU, "bf16" from compute capability 8.0
+    Mixed precision is not in the paper (§5.2 names only its 8 P100 GPUs); it changes the rounding of
+    the products, not the model. On a CUDA GPU, "bf16" from compute capability 8.0
     (Ampere), whose matrix units compute bfloat16 (older GPUs emulate it). On the CPU it is measured,
     since it depends on the processor's instructions: "bf16" where
     `ops_vaswani.bfloat16_products_are_faster()`, as on CPUs with AVX512_BF16 or AMX
     (docs/performance.md, "Mixed precision on CPUs"). Weights, Adam's state, the softmax over the
-    vocabulary and, where faster, attention stay in float32. Other devices: "no".
+    vocabulary and, on CPUs where that is faster, attention stay in float32. Other devices: "no".
 
     Args:
         device: the device training runs on.
@@ -324,13 +331,16 @@ class TrainingRun:
         # `auto`, before Accelerate starts: the resumed run's choice where there is one (training_config.json), so
         # that a run never changes precision halfway; else measured by the main process alone, while the others
         # wait, and given to all, so that every process trains alike. Recorded in training_config.json.
-        state = PartialState(cpu=launched_on_cpus)
-        saved = self.output_dir / "training_config.json"
+        # `accelerate launch --cpu` reaches Accelerator through the environment, which PartialState does not read.
+        state = PartialState(cpu=launched_on_cpus or parse_flag_from_env("ACCELERATE_USE_CPU"))
         choice = [None]
         if state.is_main_process:
-            if self.config.resume and saved.is_file() and ckpt.list_checkpoints(self.checkpoints_dir):
-                choice = [json.loads(saved.read_text())["mixed_precision"]]
-            else:
+            if self.config.resume and ckpt.list_checkpoints(self.checkpoints_dir):
+                try:
+                    choice = [json.loads((self.output_dir / "training_config.json").read_text())["mixed_precision"]]
+                except (OSError, ValueError, KeyError) as error:
+                    logger.warning("Measuring the mixed precision anew: the run's training_config.json: %r", error)
+            if choice[0] not in ("no", "bf16", "fp16"):
                 choice = [fastest_mixed_precision(state.device)]
         return broadcast_object_list(choice)[0]
 
@@ -772,7 +782,9 @@ class TrainingRun:
         self.accelerator.print(json.dumps({"decoding_choice": choice}))
         path = self.output_dir / "training_config.json"
         saved = json.loads(path.read_text())
-        path.write_text(json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
+        written = path.with_name(f".{path.name}.partial")  # renamed into place: a crash leaves the old file whole
+        written.write_text(json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
+        written.replace(path)
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.
