@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from conftest import mini_run, read_log
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
@@ -111,7 +112,12 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
         monkeypatch.setattr(training, "fastest_mixed_precision", lambda d: measured.append(d.type) or measures_as)
         config = mini_run(mini_corpus, tmp_path / "run", max_steps=max_steps, save_steps=1, mixed_precision="auto")
         config.resume = True
-        return training.train(config)
+        # Accelerate keeps one precision per process; each run here stands for a process of its own.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        try:
+            return training.train(config)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)  # the next test's runs start afresh too
 
     output = run(2, measures_as="bf16")
     assert measured == ["cpu"] and precisions == ["bf16"]
@@ -121,10 +127,12 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
     run(3, measures_as="no")
     assert measured == ["cpu"] and precisions == ["bf16", "bf16"]
     assert [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
-    # ... unless its record is unreadable: then it measures, and says why.
+    # ... unless its record is unreadable: then it measures again, rather than leave other processes waiting.
     (output / "training_config.json").write_text("{")
-    run(4, measures_as="no")
-    assert measured == ["cpu", "cpu"] and precisions == ["bf16", "bf16", "no"]
+    resumed = training.TrainingRun.__new__(training.TrainingRun)
+    resumed.config = mini_run(mini_corpus, output, max_steps=4, mixed_precision="auto", resume=True)
+    resumed.output_dir, resumed.checkpoints_dir = output, output / "checkpoints"
+    assert resumed._resolve_mixed_precision(launched_on_cpus=False) == "no" and measured == ["cpu", "cpu"]
 
 
 def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):
