@@ -10,7 +10,7 @@ from conftest import random_model, seq2seq_batch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
-from vaswani_transformer import modeling_vaswani
+from vaswani_transformer import modeling_vaswani, ops_vaswani
 from vaswani_transformer.modeling_vaswani import SinusoidalPositionalEncoding, shift_tokens_right
 
 
@@ -358,7 +358,7 @@ def test_bf16_autocast_training_runs_attention_in_the_precision_measured_faster(
     model(**batch).loss.backward()
     reference = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    monkeypatch.setattr(modeling_vaswani, "float32_attention_is_faster", lambda dtype: float32_attention)
+    monkeypatch.setattr(ops_vaswani, "float32_attention_is_faster", lambda dtype: float32_attention)
     kernel, kernel_dtypes = F.scaled_dot_product_attention, []
 
     def recorded(query, *args, **kwargs):

@@ -16,6 +16,9 @@ Writes are atomic: the files go into a hidden `.incomplete-*` directory that is 
 `step-<N>` only once everything is on disk (renaming a directory is atomic on POSIX file
 systems), and old checkpoints are renamed to `.deleting-*` before they are removed. So a run
 killed at any moment leaves complete checkpoints and hidden leftovers, which the next run removes.
+
+`average_run_checkpoints` averages a run's last checkpoints into a model that `from_pretrained`
+loads (§6.1).
 """
 
 import hashlib
@@ -28,6 +31,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from .configuration_vaswani import VaswaniConfig
+from .hub import save_translator
+from .modeling_vaswani import VaswaniForConditionalGeneration
 
 WEIGHTS_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.pt"
@@ -330,3 +338,43 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
         for name, tensor in state.items():
             average[name] += tensor.double()
     return {name: (total / len(files)).float() for name, total in average.items()}
+
+
+def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Path | None = None) -> Path:
+    """`vaswani-transformer average`: a loadable model whose weights are the mean of a run's last checkpoints (§6.1).
+
+    "For the base models, we used a single model obtained by averaging the last 5 checkpoints [...]
+    For the big models, we averaged the last 20 checkpoints."
+
+    Args:
+        run_dir: the output directory of a training run (its config, tokenizer and `checkpoints/`).
+        last: how many of the newest checkpoints to average.
+        output_dir: where to write the model; default: `run_dir`, replacing its model.
+
+    Returns:
+        The directory written, loadable with `from_pretrained`.
+
+    Raises:
+        ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
+            it holds no config.json.
+        CheckpointError: one of them is damaged.
+    """
+    run_dir = Path(run_dir)
+    available = list_checkpoints(run_dir / "checkpoints")
+    if last <= 0 or last > len(available):
+        raise ValueError(
+            f"Cannot average the last {last} checkpoints: {run_dir / 'checkpoints'} holds {len(available)}."
+        )
+    chosen = available[-last:]
+    world_size = json.loads((chosen[-1] / STATE_NAME).read_text()).get("world_size", 1)
+    for path in chosen:
+        verify_checkpoint(path, world_size)
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(
+            f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "
+            "copy the config.json of a model trained with the same settings into it."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
+    load_model_state(model, average_checkpoints(chosen))
+    return save_translator(model, tokenizer, output_dir or run_dir)

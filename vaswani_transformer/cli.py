@@ -348,7 +348,7 @@ def _push(args: argparse.Namespace) -> None:
 
 
 def _average(args: argparse.Namespace) -> None:
-    from .training import average_run_checkpoints
+    from .checkpoints import average_run_checkpoints
 
     print(average_run_checkpoints(args.run_dir, args.last, args.output_dir))
 

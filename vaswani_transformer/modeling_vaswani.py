@@ -35,7 +35,8 @@ from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
 from .ops_vaswani import (
     Linear,
-    float32_attention_is_faster,
+    attention_in_float32,
+    eager_attention_is_faster,
     label_smoothed_cross_entropy,
     linear_label_smoothed_cross_entropy,
     residual_dropout,
@@ -129,41 +130,6 @@ def scaled_dot_product_attention(
     return output, weights
 
 
-def _eager_is_faster(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    # PyTorch's fused CPU kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
-    # (docs/performance.md, "Attention for few queries"): one query per sentence at every decoding step,
-    # a sentence's num_beams queries in beam search, short sentences at translation time. In training the
-    # two take as long. Where the SDPA mask builder left a causal mask to the kernel's `is_causal` (mask
-    # None), the eager path would not mask, so that case stays with the kernel.
-    if query.device.type != "cpu":
-        return False
-    if query.shape[2] == 1:
-        return True
-    return (
-        not torch.is_grad_enabled()
-        and query.shape[2] * key.shape[2] <= 1024
-        and (mask is not None or not module.is_causal)
-    )
-
-
-def _float32_attention_is_faster(query: torch.Tensor) -> bool:
-    # Under CPU autocast: PyTorch's fused kernel computes attention in the lower precision, whose backward pass
-    # ran several times slower than float32's on a CPU without matrix units (docs/performance.md, "Mixed precision
-    # on CPUs"); measured once per process, as products to oneDNN are. With or without gradients alike, so that
-    # a checkpointed layer's recomputation computes what its first pass did. Not while compiling (Inductor
-    # chooses its own kernels) or tracing, nor under transforms and modes that watch the dispatcher, whose
-    # timings would mean nothing.
-    return (
-        not torch.compiler.is_compiling()
-        and query.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and not torch.jit.is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch._C._len_torch_dispatch_stack()
-        and float32_attention_is_faster(torch.get_autocast_dtype("cpu"))
-    )
-
-
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
 
@@ -251,7 +217,7 @@ class MultiHeadAttention(nn.Module):
                     attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and _eager_is_faster(self, query, key, attention_mask):
+        if implementation == "sdpa" and eager_attention_is_faster(query, key, attention_mask, self.is_causal):
             implementation = "eager"
         elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
             # Flash attention, and kernels registered by users, may ignore a mask of this kind: the beams'
@@ -260,7 +226,7 @@ class MultiHeadAttention(nn.Module):
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
         dropout = self.dropout if self.training else 0.0
         precision = contextlib.nullcontext()
-        if implementation == "sdpa" and _float32_attention_is_faster(query):
+        if implementation == "sdpa" and attention_in_float32(query):
             precision = torch.autocast("cpu", enabled=False)
             query, key, value = query.float(), key.float(), value.float()
             if attention_mask is not None and attention_mask.is_floating_point():

@@ -121,6 +121,17 @@ def onednn_min_product() -> float:
         return _measured_onednn_min_product()
 
 
+def _plain_dispatch() -> bool:
+    # Not under TorchScript tracing, `torch.func` transforms, or modes that watch the dispatcher (FLOP counters,
+    # fake tensors): there a kernel chosen by a measurement would not be traced, transformed or counted as PyTorch's
+    # own, and a measurement would time nothing real.
+    return (
+        not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch._C._len_torch_dispatch_stack()
+    )
+
+
 def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
     # chooses its own kernels), autocast, and modes that watch the dispatcher (FLOP counters, fake tensors); and
@@ -137,9 +148,7 @@ def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and input.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and not torch.is_autocast_enabled("cpu")
-        and not torch.jit.is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch._C._len_torch_dispatch_stack()
+        and _plain_dispatch()
         and input.numel() * weight.shape[0] >= onednn_min_product()
     )
 
@@ -224,7 +233,34 @@ class Linear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
-# Mixed precision on CPUs: attention (§3.2.1) and the products in bfloat16 --------------------------
+# §3.2.1 Attention: which kernel, and in which precision ---------------------------------------------
+
+
+def eager_attention_is_faster(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> bool:
+    """Whether Eq. 1 spelled out (§3.2.1) is faster here than PyTorch's fused attention kernel.
+
+    The fused CPU kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
+    (docs/performance.md, "Attention for few queries"): one query per sentence at every decoding
+    step, a sentence's num_beams queries in beam search, short sentences at translation time. In
+    training the two take as long. Where the SDPA mask builder left a causal mask to the kernel's
+    `is_causal` (mask None), the eager path would not mask, so that case stays with the kernel.
+
+    Args:
+        query: `(batch, heads, queries, d_k)`.
+        key: `(batch, heads, keys, d_k)`.
+        mask: the attention mask, or None.
+        is_causal: whether the attention is masked decoder self-attention.
+
+    Returns:
+        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs.
+    """
+    if query.device.type != "cpu":
+        return False
+    if query.shape[2] == 1:
+        return True
+    return not torch.is_grad_enabled() and query.shape[2] * key.shape[2] <= 1024 and (mask is not None or not is_causal)
 
 
 @functools.cache
@@ -256,11 +292,10 @@ def float32_attention_is_faster(dtype: torch.dtype) -> bool:
     Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass
     on a Zen 4 ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed precision on
     CPUs"). Where float32 is faster, `MultiHeadAttention` computes attention in float32 under CPU
-    autocast, as autocast keeps softmax and layer norms in float32, and the projections still run in
-    `dtype`; not under `torch.compile` (which chooses its own kernels), TorchScript tracing,
-    `torch.func` transforms or modes that watch the dispatcher. Measured
-    once per process and dtype: the kernel's forward and backward at a training size (16 sentences x
-    4 heads x 32 positions x 32 dimensions), in both dtypes, best of 5 each (about 30 ms in all).
+    autocast (`attention_in_float32`), as autocast keeps softmax and layer norms in float32, and the
+    projections still run in `dtype`. Measured once per process and dtype: the kernel's forward and
+    backward at a training size (16 sentences x 4 heads x 32 positions x 32 dimensions), in both
+    dtypes, best of 5 each (about 30 ms in all).
 
     Args:
         dtype: the lower precision, `torch.bfloat16` or `torch.float16`.
@@ -270,6 +305,29 @@ def float32_attention_is_faster(dtype: torch.dtype) -> bool:
     """
     with _MEASUREMENT_LOCK:  # one measurement, even when the first steps come from several threads at once
         return _measured_float32_attention_is_faster(dtype)
+
+
+def attention_in_float32(query: torch.Tensor) -> bool:
+    """Whether attention (§3.2.1, Eq. 1) on `query` should run in float32 rather than under CPU autocast.
+
+    True under CPU autocast where `float32_attention_is_faster` for autocast's dtype: with or
+    without gradients alike, so that a checkpointed layer's recomputation computes what its first
+    pass did. Not while compiling (Inductor chooses its own kernels) or tracing, nor under `torch.func`
+    transforms or modes that watch the dispatcher, whose timings would mean nothing.
+
+    Args:
+        query: `(batch, heads, queries, d_k)`, for its device.
+
+    Returns:
+        True where `MultiHeadAttention` should give the kernel float32 operands with autocast off.
+    """
+    return (
+        not torch.compiler.is_compiling()
+        and query.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and _plain_dispatch()
+        and float32_attention_is_faster(torch.get_autocast_dtype("cpu"))
+    )
 
 
 def bfloat16_products_are_faster() -> bool:

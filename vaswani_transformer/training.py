@@ -38,7 +38,7 @@ from .modeling_vaswani import VaswaniForConditionalGeneration
 from .ops_vaswani import bfloat16_products_are_faster
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
-from .training_config import TrainingConfig
+from .training_config import MIXED_PRECISIONS, TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +217,11 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
         )
 
 
-def _write_log(log_path: Path, records: list[dict]) -> None:
-    temporary = log_path.with_suffix(".tmp")
-    temporary.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(temporary, log_path)
+def _write_atomically(path: Path, text: str) -> None:
+    # Beside it, then renamed into place: a crash at any moment leaves the old file or the new one, whole.
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def _parameter_checksum(model: torch.nn.Module) -> float:
@@ -340,7 +341,7 @@ class TrainingRun:
                     choice = [json.loads((self.output_dir / "training_config.json").read_text())["mixed_precision"]]
                 except (OSError, ValueError, KeyError) as error:
                     logger.warning("Measuring the mixed precision anew: the run's training_config.json: %r", error)
-            if choice[0] not in ("no", "bf16", "fp16"):
+            if choice[0] not in MIXED_PRECISIONS or choice[0] == "auto":
                 choice = [fastest_mixed_precision(state.device)]
         return broadcast_object_list(choice)[0]
 
@@ -421,7 +422,7 @@ class TrainingRun:
         log = self.log_path
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
         if accelerator.is_main_process:  # without what a killed run logged after its checkpoint
-            _write_log(log, [r for r in records if r["step"] <= self.state["step"]])
+            _write_atomically(log, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"]))
         if config.report_to:
             accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
         self.started = time.monotonic() - self.state["elapsed_seconds"]
@@ -782,9 +783,7 @@ class TrainingRun:
         self.accelerator.print(json.dumps({"decoding_choice": choice}))
         path = self.output_dir / "training_config.json"
         saved = json.loads(path.read_text())
-        written = path.with_name(f".{path.name}.partial")  # renamed into place: a crash leaves the old file whole
-        written.write_text(json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
-        written.replace(path)
+        _write_atomically(path, json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.
@@ -794,43 +793,3 @@ _ZERO_LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_h
 def _broadcast(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
     # The main process's `tensor` on every process.
     return broadcast(tensor.to(accelerator.device)) if accelerator.num_processes > 1 else tensor
-
-
-def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Path | None = None) -> Path:
-    """`vaswani-transformer average`: a loadable model whose weights are the mean of a run's last checkpoints (§6.1).
-
-    "For the base models, we used a single model obtained by averaging the last 5 checkpoints [...]
-    For the big models, we averaged the last 20 checkpoints."
-
-    Args:
-        run_dir: the output directory of a training run (its config, tokenizer and `checkpoints/`).
-        last: how many of the newest checkpoints to average.
-        output_dir: where to write the model; default: `run_dir`, replacing its model.
-
-    Returns:
-        The directory written, loadable with `from_pretrained`.
-
-    Raises:
-        ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
-            it holds no config.json.
-        checkpoints.CheckpointError: one of them is damaged.
-    """
-    run_dir = Path(run_dir)
-    available = ckpt.list_checkpoints(run_dir / "checkpoints")
-    if last <= 0 or last > len(available):
-        raise ValueError(
-            f"Cannot average the last {last} checkpoints: {run_dir / 'checkpoints'} holds {len(available)}."
-        )
-    chosen = available[-last:]
-    world_size = json.loads((chosen[-1] / ckpt.STATE_NAME).read_text()).get("world_size", 1)
-    for path in chosen:
-        ckpt.verify_checkpoint(path, world_size)
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(
-            f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "
-            "copy the config.json of a model trained with the same settings into it."
-        )
-    tokenizer = AutoTokenizer.from_pretrained(run_dir)
-    model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
-    ckpt.load_model_state(model, ckpt.average_checkpoints(chosen))
-    return save_translator(model, tokenizer, output_dir or run_dir)
