@@ -1,5 +1,6 @@
 """The kernels of `ops_vaswani.py` against plain PyTorch: linear maps, residual dropout, the loss (§3.4, §5.4)."""
 
+import functools
 import math
 
 import pytest
@@ -28,6 +29,15 @@ def _count_onednn_calls(monkeypatch):
 
     monkeypatch.setattr(ops_vaswani, "_ONEDNN_LINEAR", counted)
     return calls
+
+
+def _measured_weight_gradients(monkeypatch, onednn: bool) -> list:
+    # Unpins the library of weight gradients and has its measurement answer `onednn`; returns the shapes it was asked.
+    monkeypatch.delenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV, raising=False)
+    monkeypatch.setattr(ops_vaswani, "onednn_min_product", lambda: 2**21)
+    asked = []
+    monkeypatch.setattr(ops_vaswani, "_measured_onednn_weight_gradient", lambda *shape: asked.append(shape) or onednn)
+    return asked
 
 
 def _float32_leaves(*tensors):
@@ -93,7 +103,10 @@ def test_products_under_a_dispatch_mode_take_f_linear():
 
 
 @needs_onednn
-def test_linear_through_onednn_can_be_differentiated_twice():
+@pytest.mark.parametrize("onednn_weight_gradients", [None, False])  # as the tests pin it, and measured MKL's
+def test_linear_through_onednn_can_be_differentiated_twice(monkeypatch, onednn_weight_gradients):
+    if onednn_weight_gradients is not None:
+        _measured_weight_gradients(monkeypatch, onednn_weight_gradients)
     torch.manual_seed(0)
     leaves = [
         (torch.randn(*shape, dtype=torch.float64) / scale).requires_grad_()
@@ -138,7 +151,48 @@ def test_every_projection_of_a_training_step_goes_through_onednn_and_computes_wh
 
 
 @needs_onednn
-def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logits(monkeypatch):
+@pytest.mark.parametrize("onednn", [True, False])
+def test_weight_gradients_take_the_library_measured_faster_for_their_shape(monkeypatch, onednn):
+    torch.manual_seed(0)
+    leaves = [t.double().requires_grad_() for t in (torch.randn(3, 37, 256), torch.randn(512, 256) / 16)]
+    upstream = torch.randn(3, 37, 512, dtype=torch.float64)
+    expected = torch.autograd.grad(F.linear(*leaves), leaves, upstream)
+    asked = _measured_weight_gradients(monkeypatch, onednn)
+    calls = _count_onednn_calls(monkeypatch)
+    ours = _float32_leaves(*leaves)
+    gradients = torch.autograd.grad(linear(*ours), ours, upstream.float())
+    assert asked == [(128, 512, 256, False)]  # 111 rows, timed as the nearest power of two
+    assert calls["n"] == (3 if onednn else 2)  # the product, dL/dx, and dL/dW where oneDNN is faster for it
+    for got, want in zip(gradients, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * want.abs().max().item())
+
+
+@needs_onednn
+def test_the_weight_gradients_library_is_timed_once_per_shape_unless_pinned(monkeypatch):
+    measured = ops_vaswani._measured_onednn_weight_gradient.__wrapped__
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert isinstance(measured(256, 512, 128, True), bool)  # timed afresh, both libraries
+    assert torch.equal(torch.rand(3), expected)  # constant operands: the random generator stays untouched
+    asked = []
+    recorded = functools.cache(lambda *shape: asked.append(shape) or measured(*shape))
+    monkeypatch.setattr(ops_vaswani, "_measured_onednn_weight_gradient", recorded)
+    monkeypatch.setenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV, str(2**21))
+    assert ops_vaswani._onednn_weight_gradient(2048, 1024, 256) is True  # pinned: oneDNN, nothing timed
+    monkeypatch.delenv(ops_vaswani.ONEDNN_MIN_PRODUCT_ENV)
+    for rows in (200, 256, 300, 5000, 8192):
+        ops_vaswani._onednn_weight_gradient(rows, 256, 64)
+    ops_vaswani._onednn_weight_gradient(3000, 8000, 256, accumulate=True)
+    # Rows to the nearest power of two, at most 2^12, and fewer for wide operands (2^22 elements at most).
+    assert asked == [(256, 256, 64, False), (4096, 256, 64, False), (512, 8000, 256, True)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("onednn_weight_gradients", [None, False])  # as the tests pin it, and measured MKL's
+def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logits(
+    monkeypatch, onednn_weight_gradients
+):
     torch.manual_seed(0)
     hidden = torch.randn(2, 300, 64, dtype=torch.float64) / 4
     weight, bias = torch.randn(8000, 64, dtype=torch.float64) / 8, torch.randn(8000, dtype=torch.float64)
@@ -148,9 +202,14 @@ def test_fused_loss_through_onednn_gives_the_value_and_gradients_of_float64_logi
     reference = label_smoothed_cross_entropy(F.linear(*leaves), labels, 0.1)
     expected = (reference, *torch.autograd.grad(reference, leaves))
     ours = _float32_leaves(*leaves)
+    if onednn_weight_gradients is not None:
+        asked = _measured_weight_gradients(monkeypatch, onednn_weight_gradients)
     calls = _count_onednn_calls(monkeypatch)
     loss = linear_label_smoothed_cross_entropy(ours[0], ours[1], labels, 0.1, bias=ours[2])
-    assert calls["n"] == 2 * 3  # 2 chunks (262 positions a chunk, 500 kept): logits, dL/dh and dL/dW of each
+    # 2 chunks (262 positions a chunk, 500 kept): the logits, dL/dh and, where oneDNN's is faster, dL/dW of each
+    assert calls["n"] == 2 * (2 if onednn_weight_gradients is False else 3)
+    if onednn_weight_gradients is not None:
+        assert asked == [(256, 8000, 64, True)]  # one choice for the batch, from a chunk's shape
     for got, want in zip((loss, *torch.autograd.grad(loss, ours)), expected, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 

@@ -99,7 +99,8 @@ def onednn_min_product() -> float:
     so that the noise of one measurement seldom moves it. Where the two libraries are close, separate
     processes may still measure neighbouring powers, and products near them round differently: the
     environment variable `VASWANI_ONEDNN_MIN_PRODUCT` (a number of multiply-adds, or `inf` for never) pins
-    the size instead, for runs that must agree to the bit (docs/robustness.md, "Determinism").
+    the size instead, for runs that must agree to the bit (docs/robustness.md, "Determinism"); pinned, every
+    weight gradient from that size goes to oneDNN too, where otherwise each shape's is timed against MKL's.
 
     Returns:
         Multiply-adds (rows x in_features x out_features): a power of two from 2^18 when measured, `math.inf`
@@ -158,20 +159,69 @@ def _onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
 
 
-def _transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable | None = None) -> torch.Tensor:
-    # a^T b of (rows, m) and (rows, n), a weight gradient, by `product` (`linear` by default): a^T (b^T)^T, or
-    # (b^T a)^T. oneDNN copies the transposed first operand into a contiguous one, so the narrower of a and b
-    # takes that place.
-    product = product or linear
+def _transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable) -> torch.Tensor:
+    # a^T b of (rows, m) and (rows, n), a weight gradient, by `product` (`linear` or `_onednn_product`): a^T (b^T)^T,
+    # or (b^T a)^T.
+    # oneDNN copies the transposed first operand into a contiguous one, so the narrower of a and b takes that place.
     return product(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else product(a.t(), b.t())
 
 
+# Weight gradients are timed with at most this many rows, and operands of at most this many elements: beyond them
+# the two libraries' times grow alike, and timing a large model's or vocabulary's products would take seconds.
+_WEIGHT_GRADIENT_MAX_ROWS = 2**12
+_WEIGHT_GRADIENT_MAX_ELEMENTS = 2**22
+
+
+@functools.cache
+def _measured_onednn_weight_gradient(rows: int, m: int, n: int, accumulate: bool) -> bool:
+    a = torch.full((rows, m), 0.5, dtype=torch.float32, device="cpu")
+    b = torch.full((rows, n), 0.25, dtype=torch.float32, device="cpu")
+    total = torch.zeros(m, n, dtype=torch.float32, device="cpu")
+    # `_onednn_product`, never `linear`: the caller holds _MEASUREMENT_LOCK, which `linear` may take again.
+    if accumulate:  # as the fused loss sums its chunks: oneDNN's product, then an addition; MKL's product adds itself
+        onednn = lambda: total.add_(_transposed_product(a, b, _onednn_product))  # noqa: E731
+        mkl = functools.partial(total.addmm_, a.t(), b)
+    else:
+        onednn = functools.partial(_transposed_product, a, b, _onednn_product)
+        mkl = functools.partial(torch.mm, a.t(), b)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        onednn_seconds, mkl_seconds = _best_seconds(onednn, 3), _best_seconds(mkl, 3)
+    # Leaning to MKL, PyTorch's own library: where oneDNN would gain less than a tenth, the noise would decide.
+    return onednn_seconds <= 0.9 * mkl_seconds
+
+
+def _onednn_weight_gradient(rows: int, m: int, n: int, accumulate: bool = False) -> bool:
+    # Whether oneDNN computes the weight gradient a^T b of (rows, m) and (rows, n) float32, a product that
+    # `_uses_onednn` sends to it, faster than MKL on this CPU (added to a running sum where `accumulate`). MKL takes
+    # the transposed operand as it is; oneDNN first copies one into a contiguous block, which for d_model x d_model
+    # weights can cost more than its faster multiply-adds save (docs/performance.md, "Products through oneDNN").
+    # So each shape is timed both ways once per process, the first time it comes, its rows rounded to a power of
+    # two and capped. Where `VASWANI_ONEDNN_MIN_PRODUCT` pins the size from which products take oneDNN, nothing is
+    # timed and oneDNN computes them all, so that runs agree to the bit.
+    if os.environ.get(ONEDNN_MIN_PRODUCT_ENV) is not None:
+        return True
+    cap = min(_WEIGHT_GRADIENT_MAX_ROWS, 2 ** int(math.log2(max(1, _WEIGHT_GRADIENT_MAX_ELEMENTS // max(m, n)))))
+    rows = min(2 ** round(math.log2(max(rows, 1))), cap)
+    with _MEASUREMENT_LOCK:
+        return _measured_onednn_weight_gradient(rows, m, n, accumulate)
+
+
+def _weight_gradient(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    # dL/dW = (dL/dy)^T x, of (rows, out_features) and (rows, in_features), by the library faster for its shape;
+    # through `linear`, so that it can be differentiated in turn.
+    rows, m, n = len(input), grad_output.shape[1], input.shape[1]
+    if _uses_onednn(input.t(), grad_output.t()) and _onednn_weight_gradient(rows, m, n):
+        return _transposed_product(grad_output, input, linear)
+    return grad_output.t() @ input
+
+
 class OneDNNLinear(torch.autograd.Function):
-    """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, each product computed by oneDNN: see `linear`.
+    """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, the products computed by oneDNN: see `linear`.
 
     `apply(input, weight, bias)` takes `(*, in_features)` float32 CPU input, an `(out_features,
     in_features)` weight and an `(out_features,)` bias or None, and returns `(*, out_features)`.
-    The gradients are linear maps again, computed by `linear`, so they can be differentiated in turn.
+    The gradients are linear maps again, computed by `linear`, so they can be differentiated in turn;
+    the weight's by MKL instead where that is faster for its shape (`_onednn_weight_gradient`).
     Raises RuntimeError (from oneDNN) if the shapes do not fit.
     """
 
@@ -186,8 +236,8 @@ class OneDNNLinear(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
             grad_input = linear(grad_output, weight.t())
-        if ctx.needs_input_grad[1]:  # dL/dW = (dL/dy)^T x
-            grad_weight = _transposed_product(grad_output.flatten(0, -2), input.flatten(0, -2))
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_gradient(grad_output.flatten(0, -2), input.flatten(0, -2))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.flatten(0, -2).sum(0)
         return grad_input, grad_weight, grad_bias
@@ -483,8 +533,12 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
             mixed = (
                 hidden.dtype != dtype or weight.dtype != dtype
             )  # mixed precision: products in the hidden states' dtype
-            # One library for every chunk, chosen for the whole batch: the last, shorter chunk rounds as the others.
+            # One library for every chunk, chosen for the whole batch, and one for the weight gradient's products: the
+            # last, shorter chunk rounds as the others.
             onednn = _uses_onednn(computed_hidden, weight, bias)
+            onednn_weight_gradients = onednn and _onednn_weight_gradient(
+                min(chunk, len(computed_hidden)), vocab_size, computed_hidden.shape[1], accumulate=True
+            )
             # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
             # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
             logits_buffer = (
@@ -520,14 +574,13 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                 loss += losses.sum()
                 # G W, a linear map whose weight is W^T
                 grad_computed[rows] = (_onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
-                if onednn:
+                if onednn_weight_gradients:  # added separately: oneDNN's product cannot accumulate
                     grad_weight += _transposed_product(grad, computed_hidden[rows], _onednn_product)
                 elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                     grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
                 else:
                     # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
-                    # again (docs/performance.md, "Fused projection and loss"). oneDNN's product, above, is faster
-                    # even with the separate addition.
+                    # again (docs/performance.md, "Fused projection and loss").
                     grad_weight.addmm_(grad.t(), computed_hidden[rows])
                 if grad_bias is not None:
                     grad_bias += grad.sum(dim=0)
