@@ -246,6 +246,16 @@ def report_stem(report: dict) -> str:
     return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}{compiled}"
 
 
+def free_stem(directory: Path, name: str) -> Path:
+    """`directory / name`, or `name-2`, `name-3`, ... where a run of the same day, device and commit has its files
+    there already: a run's results neither overwrite another's nor get lost after its measurements."""
+    stem, number = directory / name, 1
+    while any(stem.with_suffix(suffix).exists() for suffix in (".json", ".md", ".log")):
+        number += 1
+        stem = directory / f"{name}-{number}"
+    return stem
+
+
 def ratio(a: float | None, b: float | None) -> str:
     """a / b as "1.23x", or "–" when either is missing."""
     return f"{a / b:.2f}x" if a and b else "–"
@@ -444,7 +454,7 @@ def parent(args: argparse.Namespace) -> None:
         translate_model=str(args.model) if args.model else None,
     )
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.output_dir / report_stem(report)
+    stem = free_stem(args.output_dir, report_stem(report))
     table = markdown(report)
     for suffix, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table)):
         with open(stem.with_suffix(suffix), "x") as file:  # a run's results are never overwritten
