@@ -160,9 +160,9 @@ def _onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def _transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable) -> torch.Tensor:
-    # a^T b of (rows, m) and (rows, n), a weight gradient, by `product` (`linear` or `_onednn_product`): a^T (b^T)^T,
-    # or (b^T a)^T.
-    # oneDNN copies the transposed first operand into a contiguous one, so the narrower of a and b takes that place.
+    # a^T b of (rows, m) and (rows, n), a weight gradient, by oneDNN through `product` (`linear` or `_onednn_product`):
+    # a^T (b^T)^T, or (b^T a)^T. oneDNN copies the transposed first operand into a contiguous one, so the narrower of
+    # a and b takes that place.
     return product(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else product(a.t(), b.t())
 
 
