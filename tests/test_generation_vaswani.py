@@ -10,7 +10,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import logits_process
 
-from vaswani_transformer import VaswaniConfig, generation_vaswani
+from vaswani_transformer import VaswaniConfig, generation_vaswani, modeling_vaswani
 from vaswani_transformer.modeling_vaswani import MultiHeadAttention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -156,6 +156,41 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
     assert calls["search"] == 1
     assert (calls["batch_narrowed"] > 0) == ("encoder_no_repeat_ngram_size" not in options)
     assert torch.equal(ours, reference)
+
+
+@needs_cuda
+def test_bfloat16_decoding_on_cuda_spells_out_eq_1_only_while_cudnn_attention_is_enabled(
+    trained_model_dir, test_sentences, monkeypatch
+):
+    # In 16-bit dtypes PyTorch's SDPA may take cuDNN's kernel, whose plan for every new shape would stall
+    # nearly every decoding step: decoding steps then spell out Eq. 1. Once cuDNN's kernel is off (as
+    # `train` turns it off), they keep SDPA's flash and memory-efficient kernels.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir, dtype=torch.bfloat16).to("cuda").eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(test_sentences[0], padding=True, return_tensors="pt").to("cuda")
+    eager_calls = {"n": 0}
+    eager = modeling_vaswani.scaled_dot_product_attention
+
+    def counted_eager(*args, **kwargs):
+        eager_calls["n"] += 1
+        return eager(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_vaswani, "scaled_dot_product_attention", counted_eager)
+    was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        counts = []
+        for enabled in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
+            eager_calls["n"] = 0
+            with torch.no_grad():
+                ids = model.generate(**inputs)
+            counts.append(eager_calls["n"])
+            assert ids.shape[0] == len(test_sentences[0])
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was_enabled)
+    layers = model.config.decoder_layers
+    assert counts[0] >= 2 * layers * 3  # self- and cross-attention of each layer, at every step of at least 3
+    assert counts[1] == 0
 
 
 @pytest.mark.parametrize(

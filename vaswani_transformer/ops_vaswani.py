@@ -287,30 +287,51 @@ class Linear(nn.Linear):
 
 
 def eager_attention_is_faster(
-    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    decoding: bool,
 ) -> bool:
     """Whether Eq. 1 spelled out (§3.2.1) is faster here than PyTorch's fused attention kernel.
 
-    The fused CPU kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
+    On the CPU the fused kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
     (docs/performance.md, "Attention for few queries"): one query per sentence at every decoding
     step, a sentence's num_beams queries in beam search, short sentences at translation time. In
-    training the two take as long. Where the SDPA mask builder left a causal mask to the kernel's
+    training the two take as long. On CUDA, in a decoding step (§6.1) in float16 or bfloat16, where
+    PyTorch may take cuDNN's kernel, which builds a plan for every new shape: the keys grow by one
+    position a step and finished sentences leave the batch, so nearly every step would wait for a
+    plan (docs/gpu.md, "Decoding"). Where the SDPA mask builder left a causal mask to the kernel's
     `is_causal` (mask None), the eager path would not mask, so that case stays with the kernel.
 
     Args:
         query: `(batch, heads, queries, d_k)`.
         key: `(batch, heads, keys, d_k)`.
+        value: `(batch, heads, keys, d_v)`.
         mask: the attention mask, or None.
         is_causal: whether the attention is masked decoder self-attention.
+        decoding: whether this is a step of incremental decoding (the layer has a cache).
 
     Returns:
-        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs.
+        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs; on
+        CUDA for a decoding step where `torch.backends.cuda.can_use_cudnn_attention` says cuDNN's
+        kernel could take these operands (never once `training.avoid_cudnn_attention` turned it off).
     """
+    maskable = mask is not None or not is_causal
+    if query.device.type == "cuda":
+        return (
+            decoding
+            and (maskable or query.shape[2] == 1)
+            and torch.backends.cuda.can_use_cudnn_attention(
+                torch.backends.cuda.SDPAParams(query, key, value, mask, 0.0, is_causal, False)
+            )
+        )
     if query.device.type != "cpu":
         return False
     if query.shape[2] == 1:
         return True
-    return not torch.is_grad_enabled() and query.shape[2] * key.shape[2] <= 1024 and (mask is not None or not is_causal)
+    return not torch.is_grad_enabled() and query.shape[2] * key.shape[2] <= 1024 and maskable
 
 
 @functools.cache
