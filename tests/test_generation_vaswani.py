@@ -167,7 +167,7 @@ def test_bfloat16_decoding_on_cuda_spells_out_eq_1_only_while_cudnn_attention_is
     # `train` turns it off), they keep SDPA's flash and memory-efficient kernels.
     model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir, dtype=torch.bfloat16).to("cuda").eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
-    inputs = tokenizer(test_sentences[0], padding=True, return_tensors="pt").to("cuda")
+    inputs = tokenizer(test_sentences[0][:8], padding=True, return_tensors="pt").to("cuda")
     eager_calls = {"n": 0}
     eager = modeling_vaswani.scaled_dot_product_attention
 
@@ -185,7 +185,7 @@ def test_bfloat16_decoding_on_cuda_spells_out_eq_1_only_while_cudnn_attention_is
             with torch.no_grad():
                 ids = model.generate(**inputs)
             counts.append(eager_calls["n"])
-            assert ids.shape[0] == len(test_sentences[0])
+            assert ids.shape[0] == 8
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was_enabled)
     layers = model.config.decoder_layers

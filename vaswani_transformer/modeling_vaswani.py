@@ -217,9 +217,8 @@ class MultiHeadAttention(nn.Module):
                     attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and eager_attention_is_faster(
-            query, key, value, attention_mask, self.is_causal, decoding=cache is not None
-        ):
+        decoding = cache is not None
+        if implementation == "sdpa" and eager_attention_is_faster(query, key, attention_mask, self.is_causal, decoding):
             implementation = "eager"
         elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
             # Flash attention, and kernels registered by users, may ignore a mask of this kind: the beams'

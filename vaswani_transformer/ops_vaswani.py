@@ -287,12 +287,7 @@ class Linear(nn.Linear):
 
 
 def eager_attention_is_faster(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    decoding: bool,
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, decoding: bool
 ) -> bool:
     """Whether Eq. 1 spelled out (§3.2.1) is faster here than PyTorch's fused attention kernel.
 
@@ -308,24 +303,22 @@ def eager_attention_is_faster(
     Args:
         query: `(batch, heads, queries, d_k)`.
         key: `(batch, heads, keys, d_k)`.
-        value: `(batch, heads, keys, d_v)`.
         mask: the attention mask, or None.
         is_causal: whether the attention is masked decoder self-attention.
         decoding: whether this is a step of incremental decoding (the layer has a cache).
 
     Returns:
         True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs; on
-        CUDA for a decoding step where `torch.backends.cuda.can_use_cudnn_attention` says cuDNN's
-        kernel could take these operands (never once `training.avoid_cudnn_attention` turned it off).
+        CUDA for a decoding step in float16 or bfloat16 while cuDNN's attention is enabled (PyTorch's
+        default; never once `training.avoid_cudnn_attention` turned it off).
     """
     maskable = mask is not None or not is_causal
     if query.device.type == "cuda":
         return (
             decoding
             and (maskable or query.shape[2] == 1)
-            and torch.backends.cuda.can_use_cudnn_attention(
-                torch.backends.cuda.SDPAParams(query, key, value, mask, 0.0, is_causal, False)
-            )
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and torch.backends.cuda.cudnn_sdp_enabled()
         )
     if query.device.type != "cpu":
         return False
