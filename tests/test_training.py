@@ -193,6 +193,25 @@ def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus
     )
 
 
+def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_model(mini_corpus, tmp_path, monkeypatch):
+    # The decoding choice is added to training_config.json after training: a file cut off or deleted in the
+    # meantime is rewritten from the run's settings, and the averaged model is saved all the same.
+    from vaswani_transformer import training
+
+    finish = training.TrainingRun.finish
+
+    def finish_after_damage(run):
+        (run.output_dir / "training_config.json").write_text('{"source_lang": "en", "targ')
+        return finish(run)
+
+    monkeypatch.setattr(training.TrainingRun, "finish", finish_after_damage)
+    output = training.train(mini_run(mini_corpus, tmp_path / "run", max_steps=6, choose_num_beams=[1, 2]))
+    recorded = json.loads((output / "training_config.json").read_text())
+    assert recorded["target_lang"] == "de" and recorded["max_steps"] == 6
+    assert [t["num_beams"] for t in recorded["decoding_choice"]["tried"]] == [1, 2]
+    assert (output / "model.safetensors").is_file() and (output / "generation_config.json").is_file()
+
+
 def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corpus, tmp_path):
     # torch.compile (dynamic shapes, lengths padded to multiples of 8) computes the same steps to float rounding.
     from vaswani_transformer.training import train

@@ -782,7 +782,11 @@ class TrainingRun:
             generation.length_penalty = choice["length_penalty"]
         self.accelerator.print(json.dumps({"decoding_choice": choice}))
         path = self.output_dir / "training_config.json"
-        saved = json.loads(path.read_text())
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as error:  # deleted or damaged during the run: not worth the averaged model
+            logger.warning("Rewriting %s from this run's settings: %r", path, error)
+            saved = asdict(config)
         _write_atomically(path, json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
 
 
