@@ -193,6 +193,16 @@ def test_decoding_is_chosen_on_the_whole_validation_set_and_recorded(mini_corpus
     )
 
 
+def test_two_runs_in_one_python_session_may_train_in_different_precisions(mini_corpus, tmp_path):
+    # A notebook trains in float32, then in bf16: Accelerate's per-process state would refuse the second.
+    from vaswani_transformer.training import train
+
+    for precision in ("no", "bf16"):
+        output = train(mini_run(mini_corpus, tmp_path / precision, max_steps=3, mixed_precision=precision))
+        assert json.loads((output / "training_config.json").read_text())["mixed_precision"] == precision
+        assert (output / "model.safetensors").is_file()
+
+
 def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_model(mini_corpus, tmp_path, monkeypatch):
     # The decoding choice is added to training_config.json after training: a file cut off or deleted in the
     # meantime is rewritten from the run's settings, and the averaged model is saved all the same.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import (
     DistributedType,
     TorchDynamoPlugin,
@@ -301,7 +302,7 @@ class TrainingRun:
         launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         if config.mixed_precision == "auto":
             self.config = config = replace(config, mixed_precision=self._resolve_mixed_precision(launched_on_cpus))
-        self.accelerator = accelerator = Accelerator(
+        self.accelerator = accelerator = _accelerator(
             cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
             mixed_precision=config.mixed_precision,
             # Dynamic shapes: token batches vary in sentences and length at every step, and a graph per shape
@@ -788,6 +789,18 @@ class TrainingRun:
             logger.warning("Rewriting %s from this run's settings: %r", path, error)
             saved = asdict(config)
         _write_atomically(path, json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
+
+
+def _accelerator(**settings) -> Accelerator:
+    # Accelerate keeps one state per process and refuses a second run's other precision in the same Python
+    # session (a notebook): one process starts that state afresh, as transformers' TrainingArguments does.
+    try:
+        return Accelerator(**settings)
+    except ValueError as error:
+        if "already been initialized" not in str(error) or PartialState().num_processes > 1:
+            raise
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return Accelerator(**settings)
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.
