@@ -294,11 +294,12 @@ def eager_attention_is_faster(
     On the CPU the fused kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
     (docs/performance.md, "Attention for few queries"): one query per sentence at every decoding
     step, a sentence's num_beams queries in beam search, short sentences at translation time. In
-    training the two take as long. On CUDA, in a decoding step (§6.1) in float16 or bfloat16, where
-    PyTorch may take cuDNN's kernel, which builds a plan for every new shape: the keys grow by one
-    position a step and finished sentences leave the batch, so nearly every step would wait for a
-    plan (docs/gpu.md, "Decoding"). Where the SDPA mask builder left a causal mask to the kernel's
-    `is_causal` (mask None), the eager path would not mask, so that case stays with the kernel.
+    training the two take as long. On CUDA it is faster in the decoding steps (§6.1) of float16 and
+    bfloat16 while cuDNN's attention is enabled: PyTorch may take that kernel, which builds a plan
+    for every new shape, and as the keys grow by one position a step and finished sentences leave
+    the batch, nearly every step would wait for a plan (docs/gpu.md, "Decoding"). Where the SDPA
+    mask builder left a causal mask to the kernel's `is_causal` (mask None), the eager path would
+    not mask, so that case stays with the kernel.
 
     Args:
         query: `(batch, heads, queries, d_k)`.
