@@ -159,6 +159,7 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
 
 
 @needs_cuda
+@pytest.mark.skipif(torch.cuda.is_available() and not torch.cuda.is_bf16_supported(), reason="needs bfloat16")
 def test_bfloat16_decoding_on_cuda_spells_out_eq_1_only_while_cudnn_attention_is_enabled(
     trained_model_dir, test_sentences, monkeypatch
 ):
@@ -179,18 +180,18 @@ def test_bfloat16_decoding_on_cuda_spells_out_eq_1_only_while_cudnn_attention_is
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         counts = []
-        for enabled in (True, False):
+        for enabled, dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32)):
             torch.backends.cuda.enable_cudnn_sdp(enabled)
             eager_calls["n"] = 0
             with torch.no_grad():
-                ids = model.generate(**inputs)
+                ids = model.to(dtype).generate(**inputs)
             counts.append(eager_calls["n"])
             assert ids.shape[0] == 8
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was_enabled)
     layers = model.config.decoder_layers
     assert counts[0] >= 2 * layers * 3  # self- and cross-attention of each layer, at every step of at least 3
-    assert counts[1] == 0
+    assert counts[1] == counts[2] == 0  # cuDNN's attention off, or float32, which never takes it
 
 
 @pytest.mark.parametrize(

@@ -112,12 +112,7 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
         monkeypatch.setattr(training, "fastest_mixed_precision", lambda d: measured.append(d.type) or measures_as)
         config = mini_run(mini_corpus, tmp_path / "run", max_steps=max_steps, save_steps=1, mixed_precision="auto")
         config.resume = True
-        # Accelerate keeps one precision per process; each run here stands for a process of its own.
-        AcceleratorState._reset_state(reset_partial_state=True)
-        try:
-            return training.train(config)
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)  # the next test's runs start afresh too
+        return training.train(config)  # each run starts Accelerate's state afresh, as a process of its own would
 
     output = run(2, measures_as="bf16")
     assert measured == ["cpu"] and precisions == ["bf16"]
@@ -199,11 +194,15 @@ def test_two_runs_in_one_python_session_may_train_in_different_precisions(mini_c
 
     for precision in ("no", "bf16"):
         output = train(mini_run(mini_corpus, tmp_path / precision, max_steps=3, mixed_precision=precision))
+        assert AcceleratorState().mixed_precision == precision  # what the run trained in, not only what it recorded
         assert json.loads((output / "training_config.json").read_text())["mixed_precision"] == precision
         assert (output / "model.safetensors").is_file()
 
 
-def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_model(mini_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", ['{"source_lang": "en", "targ', "[]", None], ids=["cut off", "no object", "deleted"])
+def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_model(
+    mini_corpus, tmp_path, monkeypatch, damage
+):
     # The decoding choice is added to training_config.json after training: a file cut off or deleted in the
     # meantime is rewritten from the run's settings, and the averaged model is saved all the same.
     from vaswani_transformer import training
@@ -211,7 +210,8 @@ def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_mod
     finish = training.TrainingRun.finish
 
     def finish_after_damage(run):
-        (run.output_dir / "training_config.json").write_text('{"source_lang": "en", "targ')
+        record = run.output_dir / "training_config.json"
+        record.write_text(damage) if damage is not None else record.unlink()
         return finish(run)
 
     monkeypatch.setattr(training.TrainingRun, "finish", finish_after_damage)
@@ -229,6 +229,7 @@ def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corp
     settings = dict(model_overrides={**mini_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=4)
     eager = read_log(train(mini_run(mini_corpus, tmp_path / "eager", **settings)))
     compiled = read_log(train(mini_run(mini_corpus, tmp_path / "compiled", compile=True, peak_tflops=0.5, **settings)))
+    assert AcceleratorState().dynamo_plugin.backend.value.lower() == "inductor"  # not the eager run's state
     assert [r["step"] for r in compiled] == [1, 2, 3, 4]
     for ours, theirs in zip(compiled, eager, strict=True):
         assert ours["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-4)

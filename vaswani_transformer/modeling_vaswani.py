@@ -217,8 +217,9 @@ class MultiHeadAttention(nn.Module):
                     attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
-        decoding = cache is not None
-        if implementation == "sdpa" and eager_attention_is_faster(query, key, attention_mask, self.is_causal, decoding):
+        if implementation == "sdpa" and eager_attention_is_faster(
+            query, key, attention_mask, self.is_causal, decoding=cache is not None
+        ):
             implementation = "eager"
         elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
             # Flash attention, and kernels registered by users, may ignore a mask of this kind: the beams'

@@ -787,20 +787,18 @@ class TrainingRun:
             saved = json.loads(path.read_text())
         except (OSError, ValueError) as error:  # deleted or damaged during the run: not worth the averaged model
             logger.warning("Rewriting %s from this run's settings: %r", path, error)
-            saved = asdict(config)
+            saved = None
+        saved = saved if isinstance(saved, dict) else asdict(config)
         _write_atomically(path, json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
 
 
 def _accelerator(**settings) -> Accelerator:
-    # Accelerate keeps one state per process and refuses a second run's other precision in the same Python
-    # session (a notebook): one process starts that state afresh, as transformers' TrainingArguments does.
-    try:
-        return Accelerator(**settings)
-    except ValueError as error:
-        if "already been initialized" not in str(error) or PartialState().num_processes > 1:
-            raise
+    # Accelerate keeps one state per process, set by its first Accelerator: a second run in the same Python session
+    # (a notebook) would train with the first one's precision and compile settings, or be refused. One process
+    # starts that state afresh for each run, as transformers' TrainingArguments does.
+    if AcceleratorState._shared_state and PartialState().num_processes == 1:
         AcceleratorState._reset_state(reset_partial_state=True)
-        return Accelerator(**settings)
+    return Accelerator(**settings)
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.
