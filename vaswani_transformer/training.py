@@ -184,31 +184,6 @@ def validation_loss(model: VaswaniForConditionalGeneration, batches: Iterable[di
     return float(total[0] / total[1].clamp(min=1))
 
 
-def validation_bleu(
-    model: VaswaniForConditionalGeneration,
-    tokenizer: PreTrainedTokenizerBase,
-    sources: list[str],
-    references: list[str],
-) -> float:
-    """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding).
-
-    Args:
-        model: the unwrapped model; it translates 64 sentences per `generate` call with its generation
-            config (beam 4, length penalty 0.6), and is left in training mode.
-        tokenizer: the run's tokenizer.
-        sources, references: aligned sentences, one string each.
-
-    Returns:
-        The corpus BLEU score, 0 to 100, rounded to two decimals.
-    """
-    from .translation import corpus_bleu, translate
-
-    model.eval()
-    hypotheses = translate(model, tokenizer, sources, 64)
-    model.train()
-    return round(corpus_bleu(hypotheses, references)["score"], 2)
-
-
 def _check_output_dir(output_dir: Path, resume: bool) -> None:
     existing = ckpt.list_checkpoints(output_dir / "checkpoints")
     if existing and not resume:
@@ -302,7 +277,11 @@ class TrainingRun:
         launched_on_cpus = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         if config.mixed_precision == "auto":
             self.config = config = replace(config, mixed_precision=self._resolve_mixed_precision(launched_on_cpus))
-        self.accelerator = accelerator = _accelerator(
+        if AcceleratorState._shared_state and PartialState().num_processes == 1:
+            # Accelerate keeps its first Accelerator's state for the process: a second run in one Python session (a
+            # notebook) would keep that run's precision and compile settings. Afresh, as TrainingArguments does.
+            AcceleratorState._reset_state(reset_partial_state=True)
+        self.accelerator = accelerator = Accelerator(
             cpu=launched_on_cpus,  # Accelerate forms a gloo process group on CPUs only when told to use them
             mixed_precision=config.mixed_precision,
             # Dynamic shapes: token batches vary in sentences and length at every step, and a graph per shape
@@ -338,10 +317,7 @@ class TrainingRun:
         choice = [None]
         if state.is_main_process:
             if self.config.resume and ckpt.list_checkpoints(self.checkpoints_dir):
-                try:
-                    choice = [json.loads((self.output_dir / "training_config.json").read_text())["mixed_precision"]]
-                except (OSError, ValueError, KeyError) as error:
-                    logger.warning("Measuring the mixed precision anew: the run's training_config.json: %r", error)
+                choice = [self._record().get("mixed_precision")]  # measured anew where it is unreadable
             if choice[0] not in MIXED_PRECISIONS or choice[0] == "auto":
                 choice = [fastest_mixed_precision(state.device)]
         return broadcast_object_list(choice)[0]
@@ -582,6 +558,8 @@ class TrainingRun:
             if accelerator.is_main_process:
                 n = self.config.bleu_sentences
                 sources, references = self.validation_sources[:n], self.validation_references[:n]
+                from .translation import validation_bleu
+
                 bleu = validation_bleu(self._whole_model(weights), self.tokenizer, sources, references)
             record["validation_bleu"] = bleu = float(
                 _broadcast(accelerator, torch.tensor([bleu], dtype=torch.float64))[0]
@@ -782,23 +760,20 @@ class TrainingRun:
         else:
             generation.length_penalty = choice["length_penalty"]
         self.accelerator.print(json.dumps({"decoding_choice": choice}))
+        saved = self._record() or asdict(config)  # deleted or damaged during the run: rewritten from the settings
+        _write_atomically(
+            self.output_dir / "training_config.json", json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n"
+        )
+
+    def _record(self) -> dict:
+        # training_config.json as the run's start wrote it, or {} (with a warning) where it is gone or damaged.
         path = self.output_dir / "training_config.json"
         try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError) as error:  # deleted or damaged during the run: not worth the averaged model
-            logger.warning("Rewriting %s from this run's settings: %r", path, error)
-            saved = None
-        saved = saved if isinstance(saved, dict) else asdict(config)
-        _write_atomically(path, json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n")
-
-
-def _accelerator(**settings) -> Accelerator:
-    # Accelerate keeps one state per process, set by its first Accelerator: a second run in the same Python session
-    # (a notebook) would train with the first one's precision and compile settings, or be refused. One process
-    # starts that state afresh for each run, as transformers' TrainingArguments does.
-    if AcceleratorState._shared_state and PartialState().num_processes == 1:
-        AcceleratorState._reset_state(reset_partial_state=True)
-    return Accelerator(**settings)
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            logger.warning("%s is unreadable: %r", path, error)
+            return {}
+        return record if isinstance(record, dict) else {}
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.

@@ -279,6 +279,29 @@ def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = 
     )
 
 
+def validation_bleu(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[str],
+    references: list[str],
+) -> float:
+    """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding).
+
+    Args:
+        model: the unwrapped model; it translates 64 sentences per `generate` call with its generation
+            config (beam 4, length penalty 0.6), and is left in training mode.
+        tokenizer: the run's tokenizer.
+        sources, references: aligned sentences, one string each.
+
+    Returns:
+        The corpus BLEU score, 0 to 100, rounded to two decimals.
+    """
+    model.eval()
+    hypotheses = translate(model, tokenizer, sources, 64)
+    model.train()
+    return round(corpus_bleu(hypotheses, references)["score"], 2)
+
+
 def choose_decoding(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
