@@ -2,7 +2,7 @@
 
 import pytest
 
-from vaswani_transformer.translation import choose_decoding, corpus_bleu, load_translator, translate
+from vaswani_transformer.translation import choose_decoding, corpus_bleu, load_translator, translate, validation_bleu
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +30,19 @@ def test_choose_decoding_refuses_nothing_to_choose_from(trained_model_dir, devel
         choose_decoding(model, tokenizer, *development_set, num_beams=[], length_penalties=[0.6])
     with pytest.raises(ValueError, match="at least 1"):
         choose_decoding(model, tokenizer, *development_set, num_beams=[0], length_penalties=[0.6])
+
+
+def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training(
+    trained_model_dir, development_set, monkeypatch
+):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sources, references = development_set
+    expected = round(corpus_bleu(translate(model, tokenizer, sources), references)["score"], 2)
+    model.train()
+    assert validation_bleu(model, tokenizer, sources, references) == expected
+    assert model.training
+    # A validation that fails (here: generation out of memory) must not leave the run training without dropout.
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        validation_bleu(model, tokenizer, sources, references)
+    assert model.training

@@ -773,7 +773,10 @@ class TrainingRun:
         except (OSError, ValueError) as error:
             logger.warning("%s is unreadable: %r", path, error)
             return {}
-        return record if isinstance(record, dict) else {}
+        if not isinstance(record, dict):
+            logger.warning("%s holds no JSON object: %.60r", path, record)
+            return {}
+        return record
 
 
 # What DeepSpeed's loss scaler changes as it trains (fp16's dynamic scale); with bf16 its scale stays 1.

@@ -295,10 +295,15 @@ def validation_bleu(
 
     Returns:
         The corpus BLEU score, 0 to 100, rounded to two decimals.
+
+    Raises:
+        ValueError: `sources` and `references` differ in length or are empty (from `corpus_bleu`).
     """
     model.eval()
-    hypotheses = translate(model, tokenizer, sources, 64)
-    model.train()
+    try:
+        hypotheses = translate(model, tokenizer, sources, 64)
+    finally:  # a failed validation must not leave the run training without dropout
+        model.train()
     return round(corpus_bleu(hypotheses, references)["score"], 2)
 
 
