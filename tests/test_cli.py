@@ -157,6 +157,29 @@ def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_pa
     assert "has 2 lines" in error and "has 1" in error and "Traceback" not in error
 
 
+def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained_model_dir, corpus, tmp_path, capsys):
+    from vaswani_transformer.translation import load_translator, translate
+
+    sources = corpus["test_2016_flickr"]["en"][:40]
+    (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
+    (tmp_path / "test.de").write_text("\n".join(corpus["test_2016_flickr"]["de"][:40]) + "\n")
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    expected = {alpha: translate(model, tokenizer, sources, 16, length_penalty=alpha) for alpha in (0.0, 3.0)}
+    # The penalty must matter on this model for the check to mean anything: a larger alpha favours longer outputs.
+    assert expected[0.0] != expected[3.0]
+    assert sum(len(t.split()) for t in expected[3.0]) > sum(len(t.split()) for t in expected[0.0])
+    for alpha in (0.0, 3.0):
+        options = ["--model", str(trained_model_dir), "--batch-size", "16", "--length-penalty", str(alpha)]
+        assert main(["translate", *options, "--input", str(tmp_path / "test.en")]) == 0
+        assert capsys.readouterr().out.splitlines() == expected[alpha]
+        output = tmp_path / f"hypotheses-{alpha}.de"
+        files = ["--source", str(tmp_path / "test.en"), "--reference", str(tmp_path / "test.de")]
+        files += ["--output", str(output)]
+        assert main(["evaluate", *options, *files, "--no-model-card"]) == 0
+        capsys.readouterr()
+        assert output.read_text().splitlines() == expected[alpha]
+
+
 def test_translate_reads_stdin_and_writes_one_line_per_input(trained_model_dir):
     result = subprocess.run(
         [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(trained_model_dir),

@@ -375,6 +375,15 @@ def test_zero_beams_are_refused_in_one_line(translator, translator_dir, tmp_path
     assert_one_line_error(status, err, "num_beams", "at least 1")
 
 
+def test_a_length_penalty_that_is_no_finite_number_is_refused_by_the_option(translator_dir, capsys):
+    for value in ("nan", "inf", "long"):
+        with pytest.raises(SystemExit) as exit_status:  # argparse's refusal, after its usage lines
+            main(["translate", "--model", str(translator_dir), "--length-penalty", value])
+        assert exit_status.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--length-penalty" in error and repr(value) in error and "finite number" in error
+
+
 def test_a_cuda_device_without_cuda_is_refused_in_one_line(translator_dir, tmp_path, capsys):
     import torch
 

@@ -82,6 +82,19 @@ def test_translate_with_the_ctranslate2_engine_gives_nearly_all_the_torch_transl
     assert same >= 0.95 * len(sources)
 
 
+def test_the_ctranslate2_engine_takes_the_length_penalty_asked_for(trained_model_dir, exported, corpus):
+    sources = corpus["test_2016_flickr"]["en"][:48]
+    model, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    default = translate(model, tokenizer, sources)
+    model, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported, length_penalty=3.0)
+    longer = translate(model, tokenizer, sources)
+    torch_model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)
+    expected = translate(torch_model, tokenizer, sources, length_penalty=3.0)
+    # A penalty left at the default would give the default's translations, not nearly all of generate()'s at 3.0.
+    assert sum(a != b for a, b in zip(default, expected, strict=True)) >= 5
+    assert sum(a == b for a, b in zip(longer, expected, strict=True)) >= 0.95 * len(sources)
+
+
 def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, exported):
     engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
     with pytest.raises(ValueError, match="num_beams"):

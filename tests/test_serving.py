@@ -244,6 +244,17 @@ def test_sigterm_with_requests_in_flight_loses_none_of_them(trained_model_dir, t
     assert "Traceback" not in server.log_path.read_text()
 
 
+def test_serve_decodes_with_the_beam_and_length_penalty_asked_for(trained_model_dir, tmp_path, sentences, references):
+    server = Server(trained_model_dir, tmp_path / "server.log", "--num-beams", "3", "--length-penalty", "3.0")
+    try:
+        status, body = call(f"{server.url}/translate", {"q": sentences, "source": "en", "target": "de"})
+    finally:
+        assert server.stop() == 0
+    expected = generate_translations(trained_model_dir, sentences, num_beams=3, length_penalty=3.0)
+    assert expected != [references[sentence] for sentence in sentences]  # the options change these translations
+    assert (status, body) == (200, {"translatedText": expected})
+
+
 def test_ctranslate2_engine_exports_beside_the_model_and_translates(trained_model_dir, tmp_path, sentences):
     pytest.importorskip("ctranslate2")
     model_dir = tmp_path / "model"

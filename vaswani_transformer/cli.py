@@ -8,6 +8,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -30,6 +31,30 @@ def _model_option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _length_penalty(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number such as 0.6, got {text!r}")
+    return value
+
+
+def _add_beam_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
+    )
+    parser.add_argument(
+        "--length-penalty",
+        type=_length_penalty,
+        default=None,
+        metavar="ALPHA",
+        help="beam search's length penalty alpha (§6.1) in the model's form, GNMT's ((5 + |Y|) / 6) ** alpha for "
+        "models trained here; default: the model's generation config (the alpha `train` chose on the validation set)",
+    )
+
+
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size",
@@ -37,9 +62,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sentences per generate() call (default: 64; 1 when reading a terminal, to answer each line at once)",
     )
-    parser.add_argument(
-        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
-    )
+    _add_beam_options(parser)
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     parser.add_argument(
         "--long-inputs",
@@ -196,9 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
     _add_engine_options(serve)
-    serve.add_argument(
-        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
-    )
+    _add_beam_options(serve)
     serve.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
@@ -232,7 +253,8 @@ def _batch_size(args: argparse.Namespace) -> int:
 
 
 def _generate_kwargs(args: argparse.Namespace) -> dict:
-    return {} if args.num_beams is None else {"num_beams": args.num_beams}
+    options = {"num_beams": args.num_beams, "length_penalty": args.length_penalty}
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -296,8 +318,10 @@ def _translate(args: argparse.Namespace) -> None:
     if args.engine == "ctranslate2":
         from .export import load_ctranslate2_engine
 
-        model, tokenizer = load_ctranslate2_engine(args.model, args.device, args.num_beams, args.ctranslate2_dir)
-        generate_kwargs = {}  # the engine took the beam size
+        model, tokenizer = load_ctranslate2_engine(
+            args.model, args.device, args.num_beams, args.ctranslate2_dir, length_penalty=args.length_penalty
+        )
+        generate_kwargs = {}  # the engine took the beam size and the penalty
     else:
         model, tokenizer = load_translator(args.model, args.device)
         generate_kwargs = _generate_kwargs(args)
@@ -373,7 +397,7 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         from .serving import serve
 
-        loading = ("engine", "device", "num_beams", "source_lang", "target_lang", "ctranslate2_dir")
+        loading = ("engine", "device", "num_beams", "length_penalty", "source_lang", "target_lang", "ctranslate2_dir")
         serve(args.model, config, **{name: getattr(args, name) for name in loading})
     except ImportError as error:  # the optional dependencies: one line, not a traceback
         raise OSError(str(error)) from error

@@ -159,6 +159,7 @@ class CTranslate2Engine:
         generation_config: the model's `GenerationConfig`.
         num_beams: overrides the generation config's beam size.
         device: "cpu" or "cuda".
+        length_penalty: overrides the generation config's alpha (in its `length_penalty_type`).
 
     Raises:
         ImportError: ctranslate2 is not installed.
@@ -173,12 +174,15 @@ class CTranslate2Engine:
         generation_config: GenerationConfig,
         num_beams: int | None = None,
         device: str = "cpu",
+        length_penalty: float | None = None,
     ) -> None:
         ctranslate2, _ = _import_ctranslate2()
         self.tokenizer = tokenizer
         self.translator = ctranslate2.Translator(str(ct2_dir), device=device, intra_threads=torch.get_num_threads())
         self.beam_size = num_beams or generation_config.num_beams or 1
-        self.length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
+        if length_penalty is None:
+            length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
+        self.length_penalty = length_penalty
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
         self.extra_length = generation_config.max_length_b or 50
         # The export's position table bounds sources and outputs alike.
@@ -219,6 +223,7 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     Args:
         model: a model directory, or a Hub id (downloaded with `snapshot_download`).
         ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+        length_penalty: alpha (§6.1) in the generation config's form; default the config's.
 
     Returns:
         The export's directory.
@@ -254,7 +259,11 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
 
 
 def load_ctranslate2_engine(
-    model: str, device: str | None = None, num_beams: int | None = None, ct2_dir: str | Path | None = None
+    model: str,
+    device: str | None = None,
+    num_beams: int | None = None,
+    ct2_dir: str | Path | None = None,
+    length_penalty: float | None = None,
 ) -> tuple[CTranslate2Engine, PreTrainedTokenizerBase]:
     """`CTranslate2Engine` of `model` (exported on first use, see `ctranslate2_export`) and the model's tokenizer.
 
@@ -271,4 +280,5 @@ def load_ctranslate2_engine(
     exported = ctranslate2_export(model, ct2_dir)
     tokenizer = AutoTokenizer.from_pretrained(model)
     generation_config = GenerationConfig.from_pretrained(model)
-    return CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device or "cpu"), tokenizer
+    engine = CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device or "cpu", length_penalty)
+    return engine, tokenizer

@@ -559,6 +559,7 @@ def load_engine(
     device: str | None = None,
     num_beams: int | None = None,
     ctranslate2_dir: str | None = None,
+    length_penalty: float | None = None,
 ) -> tuple["TorchEngine | CTranslate2Engine", PreTrainedTokenizerBase]:
     """Load a translator for serving: the engine and the model's tokenizer.
 
@@ -568,6 +569,7 @@ def load_engine(
             `ctranslate2_dir`, default `MODEL_DIR/ctranslate2/`; see `ctranslate2_export`).
         device: torch device (default: CUDA if available), or CTranslate2's "cpu"/"cuda" (default "cpu").
         num_beams: beam size; default the model's generation config (4, §6.1).
+        length_penalty: alpha (§6.1) in the generation config's form; default the config's.
 
     Raises:
         ImportError: ctranslate2 is missing (engine "ctranslate2").
@@ -582,10 +584,11 @@ def load_engine(
         raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
     if engine == "torch":
         translator, tokenizer = load_translator(model, device)
-        return TorchEngine(translator, tokenizer, {} if num_beams is None else {"num_beams": num_beams}), tokenizer
+        options = {"num_beams": num_beams, "length_penalty": length_penalty}
+        return TorchEngine(translator, tokenizer, {k: v for k, v in options.items() if v is not None}), tokenizer
     from .export import load_ctranslate2_engine
 
-    return load_ctranslate2_engine(model, device, num_beams, ctranslate2_dir)
+    return load_ctranslate2_engine(model, device, num_beams, ctranslate2_dir, length_penalty)
 
 
 class _Server(uvicorn.Server):
@@ -610,6 +613,7 @@ def serve(
     source_lang: str | None = None,
     target_lang: str | None = None,
     ctranslate2_dir: str | None = None,
+    length_penalty: float | None = None,
 ) -> None:
     """`vaswani-transformer serve`: load a translator and serve it over HTTP until SIGTERM or Ctrl+C.
 
@@ -620,7 +624,7 @@ def serve(
     and returns, so that the command exits with status 0.
 
     Args:
-        model, engine, device, num_beams, ctranslate2_dir: what to load (`load_engine`).
+        model, engine, device, num_beams, ctranslate2_dir, length_penalty: what to load (`load_engine`).
         config: where to listen, how to batch (`MicroBatcher`) and what one request may ask for
             (`Limits`); default `ServingConfig()`. `config.threads` sets the CPU threads of one
             `generate()` (`torch.set_num_threads`; CTranslate2's `intra_threads`); default: torch's,
@@ -648,7 +652,7 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)
-        runner, tokenizer = load_engine(model, engine, device, num_beams, ctranslate2_dir)
+        runner, tokenizer = load_engine(model, engine, device, num_beams, ctranslate2_dir, length_penalty)
         batcher = MicroBatcher(
             runner.translate, config.batch_wait_ms, config.max_batch_tokens, config.max_batch_sentences
         )
