@@ -375,7 +375,11 @@ def test_zero_beams_are_refused_in_one_line(translator, translator_dir, tmp_path
     assert_one_line_error(status, err, "num_beams", "at least 1")
 
 
-def test_a_length_penalty_that_is_no_finite_number_is_refused_by_the_option(translator_dir, capsys):
+def test_a_length_penalty_that_is_no_finite_number_is_refused(translator, translator_dir, capsys):
+    model, tokenizer = translator
+    for alpha in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            model.generate(**tokenizer(["A dog runs."], return_tensors="pt"), num_beams=2, length_penalty=alpha)
     for value in ("nan", "inf", "long"):
         with pytest.raises(SystemExit) as exit_status:  # argparse's refusal, after its usage lines
             main(["translate", "--model", str(translator_dir), "--length-penalty", value])

@@ -51,7 +51,8 @@ def _add_beam_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ALPHA",
         help="beam search's length penalty alpha (§6.1) in the model's form, GNMT's ((5 + |Y|) / 6) ** alpha for "
-        "models trained here; default: the model's generation config (the alpha `train` chose on the validation set)",
+        "models trained here; none with --num-beams 1; default: the model's generation config (0.6, or what "
+        "`train --choose-length-penalty` chose on the validation set)",
     )
 
 

@@ -24,6 +24,7 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 """
 
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -163,6 +164,7 @@ class CTranslate2Engine:
 
     Raises:
         ImportError: ctranslate2 is not installed.
+        ValueError: a length penalty that is not a finite number.
     """
 
     name = "ctranslate2"
@@ -182,6 +184,8 @@ class CTranslate2Engine:
         self.beam_size = num_beams or generation_config.num_beams or 1
         if length_penalty is None:
             length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
+        if not math.isfinite(length_penalty):
+            raise ValueError(f"length_penalty must be a finite number such as 0.6, got {length_penalty}.")
         self.length_penalty = length_penalty
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
         self.extra_length = generation_config.max_length_b or 50
@@ -223,7 +227,6 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     Args:
         model: a model directory, or a Hub id (downloaded with `snapshot_download`).
         ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
-        length_penalty: alpha (§6.1) in the generation config's form; default the config's.
 
     Returns:
         The export's directory.
@@ -272,10 +275,11 @@ def load_ctranslate2_engine(
         device: "cpu" (default) or "cuda".
         num_beams: beam size; default the model's generation config (4, §6.1).
         ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+        length_penalty: alpha (§6.1) in the generation config's form; default the config's.
 
     Raises:
         ImportError: ctranslate2 is missing.
-        OSError, ValueError: from `ctranslate2_export`.
+        OSError, ValueError: from `ctranslate2_export`; ValueError: a length penalty that is not finite.
     """
     exported = ctranslate2_export(model, ct2_dir)
     tokenizer = AutoTokenizer.from_pretrained(model)

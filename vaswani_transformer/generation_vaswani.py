@@ -12,6 +12,8 @@ The state of one `generate()` call lives in that call's generation config and ar
 on the model: one model serves many threads at once.
 """
 
+import math
+
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, GenerationMixin
@@ -165,7 +167,8 @@ class VaswaniGenerationMixin(GenerationMixin):
             or a `GenerateOutput` holding them (and scores) with `return_dict_in_generate=True`.
 
         Raises:
-            ValueError: `length_penalty_type` is neither "gnmt" nor "hf", or `num_beams` is below 1.
+            ValueError: `length_penalty_type` is neither "gnmt" nor "hf", `num_beams` is below 1, or
+                `length_penalty` is not a finite number.
         """
         config = generation_config or self.generation_config
         num_beams = kwargs.get("num_beams", config.num_beams)
@@ -191,9 +194,11 @@ class VaswaniGenerationMixin(GenerationMixin):
             # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
             limit = self.config.max_position_embeddings
             kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
-        if penalty_type == "gnmt":
+        alpha = kwargs.get("length_penalty", config.length_penalty)
+        if alpha is not None and not math.isfinite(alpha):
+            raise ValueError(f"length_penalty must be a finite number such as 0.6, got {alpha}.")
+        if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
             # The penalty's form travels with this call, in the alpha that its generation config gets.
-            alpha = kwargs.get("length_penalty", config.length_penalty)
             if alpha is None:  # unset: transformers' default
                 alpha = GenerationConfig._get_default_generation_params()["length_penalty"]
             kwargs["length_penalty"] = GNMTLengthPenalty(alpha)

@@ -132,7 +132,7 @@ class _Translator:
         if isinstance(model, CTranslate2Engine) and generate_kwargs:
             raise ValueError(
                 f"A CTranslate2 engine takes no generate() arguments ({', '.join(generate_kwargs)}): pass num_beams "
-                "to export.load_ctranslate2_engine, or translate with the model from load_translator."
+                "or length_penalty to export.load_ctranslate2_engine, or translate with the model from load_translator."
             )
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.long_inputs, self.generate_kwargs = long_inputs, generate_kwargs
