@@ -181,23 +181,23 @@ def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained
         assert output.read_text().splitlines() == expected[alpha]
 
 
+def translate_in_a_new_process(model_dir: Path, text: str, *options: str) -> subprocess.CompletedProcess:
+    """`vaswani-transformer translate --model MODEL_DIR OPTIONS` on `text` as stdin, in a process of its own."""
+    command = [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(model_dir), *options]
+    return subprocess.run(command, input=text, capture_output=True, text=True, check=True)
+
+
 def test_translate_reads_stdin_and_writes_one_line_per_input(trained_model_dir):
-    result = subprocess.run(
-        [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(trained_model_dir),
-         "--num-beams", "2"],
-        input=f"{SENTENCE}\n\nTwo dogs play in the snow.\n", capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    result = translate_in_a_new_process(
+        trained_model_dir, f"{SENTENCE}\n\nTwo dogs play in the snow.\n", "--num-beams", "2"
+    )
     lines = result.stdout.splitlines()
     assert len(lines) == 3 and lines[0] and lines[1] == "" and lines[2]
 
 
 def test_greedy_translation_of_a_model_with_the_gnmt_penalty_draws_no_warning(trained_model_dir):
     # A fresh process: transformers warns about a generation flag once per process.
-    result = subprocess.run(
-        [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(trained_model_dir),
-         "--num-beams", "1"],
-        input=f"{SENTENCE}\n", capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    result = translate_in_a_new_process(trained_model_dir, f"{SENTENCE}\n", "--num-beams", "1")
     assert result.stdout.strip() and "length_penalty" not in result.stderr, result.stderr
 
 

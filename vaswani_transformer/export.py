@@ -24,7 +24,6 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 """
 
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .convert import to_marian
-from .generation_vaswani import gnmt_length_penalty
+from .generation_vaswani import check_length_penalty, gnmt_length_penalty
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +183,7 @@ class CTranslate2Engine:
         self.beam_size = num_beams or generation_config.num_beams or 1
         if length_penalty is None:
             length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
-        if not math.isfinite(length_penalty):
-            raise ValueError(f"length_penalty must be a finite number such as 0.6, got {length_penalty}.")
-        self.length_penalty = length_penalty
+        self.length_penalty = check_length_penalty(length_penalty)
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
         self.extra_length = generation_config.max_length_b or 50
         # The export's position table bounds sources and outputs alike.

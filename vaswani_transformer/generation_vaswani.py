@@ -75,6 +75,17 @@ def gnmt_length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def check_length_penalty(alpha: float) -> float:
+    """`alpha`, the length penalty's strength (§6.1), if it is a finite number.
+
+    Raises:
+        ValueError: `alpha` is NaN or infinite (every penalised score would be NaN or 0).
+    """
+    if not math.isfinite(alpha):
+        raise ValueError(f"length_penalty must be a finite number such as 0.6, got {alpha}.")
+    return alpha
+
+
 class GNMTLengthPenalty(float):
     """alpha, the strength of the GNMT length penalty, as a float whose powers are that penalty (§6.1).
 
@@ -195,8 +206,8 @@ class VaswaniGenerationMixin(GenerationMixin):
             limit = self.config.max_position_embeddings
             kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
         alpha = kwargs.get("length_penalty", config.length_penalty)
-        if alpha is not None and not math.isfinite(alpha):
-            raise ValueError(f"length_penalty must be a finite number such as 0.6, got {alpha}.")
+        if alpha is not None:
+            check_length_penalty(alpha)
         if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
             # The penalty's form travels with this call, in the alpha that its generation config gets.
             if alpha is None:  # unset: transformers' default
