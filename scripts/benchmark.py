@@ -24,7 +24,9 @@ CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fr
   of 32, each sentence ending where the model ends it, as in real use: here a search that stops
   working on finished sentences gains. Every engine runs the same trained weights (CTranslate2 int8
   quantizes them when loading); the sacreBLEU of each engine's translations of those sentences
-  shows what quantization costs.
+  shows what quantization costs. `translate-workers` (CPU only) runs the same translation in
+  `--threads` worker processes of one thread each (`translation.map_in_workers`, as `translate
+  --num-workers` does; CTranslate2: `inter_threads` workers of one thread, the batches submitted together).
 
     python scripts/benchmark.py --presets small base --threads 2 [--model outputs/multi30k-en-de]
 
@@ -77,6 +79,7 @@ TASKS = {
     "beam-es-false": ("ours", "marian"),
     "greedy": tuple(ENGINES),
     "translate": tuple(ENGINES),
+    "translate-workers": ("ours", "marian", "ct2"),
 }
 TRAINED = "trained"  # the --model directory's engines, beside the presets'
 
@@ -269,8 +272,8 @@ def median_ratio(speeds: dict[str, list[float]], other: str) -> str:
 
 
 def speed(task: str, result: dict) -> float:
-    """What a task measures per second: sentences for `translate`, tokens otherwise."""
-    return result["sentences_per_second" if task == "translate" else "tokens_per_second"]
+    """What a task measures per second: sentences for the translation tasks, tokens otherwise."""
+    return result["sentences_per_second" if task.startswith("translate") else "tokens_per_second"]
 
 
 def markdown(report: dict) -> str:
@@ -320,23 +323,29 @@ def markdown(report: dict) -> str:
                 lines.append(f"| peak GPU memory (PyTorch), {task}, MiB | {' | '.join(cells)} | | |")
         lines.append("")
     if TRAINED in report["results"]:
-        row = report["results"][TRAINED].get("translate", {})
-        rate = {engine: speed("translate", row[engine]) if engine in row else None for engine in ENGINES}
-        rates = " | ".join(f"{rate[e]:,.1f}" if rate[e] else "–" for e in TASKS["translate"])
-        tokens = " | ".join(str(row[e]["tokens"]) if e in row else "–" for e in TASKS["translate"])
-        bleu = " | ".join(f"{row[e]['bleu']:.2f}" if e in row else "–" for e in TASKS["translate"])
         lines += [
             f"**trained model** ({report['translate_model']}): beam 4 on {report['translate_sentences']} Multi30k "
             "test sentences, natural lengths",
             "",
             f"| Measure | Ours | HF Marian | {ct2} | {int8} | Ours / Marian | Ours / {ct2} |",
             "|---|---:|---:|---:|---:|---:|---:|",
-            f"| translation, sentences/s | {rates} | {ratio(rate['ours'], rate['marian'])} | "
-            f"{ratio(rate['ours'], rate['ct2'])} |",
-            f"| generated tokens | {tokens} | | |",
-            f"| sacreBLEU of these translations | {bleu} | | |",
-            "",
         ]
+        names = {"translate": "", "translate-workers": f", {report['threads']} workers of 1 thread"}
+        for task, workers in names.items():
+            row = report["results"][TRAINED].get(task)
+            if not row:
+                continue
+            rate = {engine: speed(task, row[engine]) if engine in row else None for engine in ENGINES}
+            rates = " | ".join(f"{rate[e]:,.1f}" if rate[e] else "–" for e in ENGINES)
+            tokens = " | ".join(str(row[e]["tokens"]) if e in row else "–" for e in ENGINES)
+            bleu = " | ".join(f"{row[e]['bleu']:.2f}" if e in row else "–" for e in ENGINES)
+            lines += [
+                f"| translation{workers}, sentences/s | {rates} | {ratio(rate['ours'], rate['marian'])} | "
+                f"{ratio(rate['ours'], rate['ct2'])} |",
+                f"| generated tokens{workers} | {tokens} | | |",
+                f"| sacreBLEU of these translations{workers} | {bleu} | | |",
+            ]
+        lines.append("")
     if report["rounds"] > 1:
         lines += [
             f"Median over the {report['rounds']} rounds of each round's ratio (engines of one round run back to back):",
@@ -416,7 +425,9 @@ def parent(args: argparse.Namespace) -> None:
             for group in groups:
                 results = report["results"][group]
                 for task, engines in TASKS.items():
-                    if (task == "translate") != (group == TRAINED) or task not in args.tasks:
+                    if task.startswith("translate") != (group == TRAINED) or task not in args.tasks:
+                        continue
+                    if task == "translate-workers" and args.device == "cuda":  # worker processes are for CPUs
                         continue
                     for engine in [e for e in engines if e in args.engines][:: -1 if round_index % 2 else 1]:
                         result = run_child(args, workdir, group, engine, task)
@@ -488,8 +499,12 @@ def synchronize(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def ct2_translator(engine: str, directory: Path, args: argparse.Namespace) -> "ctranslate2.Translator":  # noqa: F821
+def ct2_translator(
+    engine: str, directory: Path, args: argparse.Namespace, workers: int = 1
+) -> "ctranslate2.Translator":  # noqa: F821
     """CTranslate2 on `--device`: "ct2" computes in `--dtype`, "ct2-int8" in int8 (int8_<dtype> on a GPU).
+
+    `workers` above 1: that many workers (`inter_threads`) sharing `--threads` threads.
 
     Raises:
         ValueError, RuntimeError: from CTranslate2, for a compute type the device lacks or missing CUDA
@@ -499,7 +514,11 @@ def ct2_translator(engine: str, directory: Path, args: argparse.Namespace) -> "c
 
     compute_type = args.dtype if engine == "ct2" else "int8" if args.dtype == "float32" else f"int8_{args.dtype}"
     return ctranslate2.Translator(
-        str(directory), device=args.device, compute_type=compute_type, intra_threads=args.threads
+        str(directory),
+        device=args.device,
+        compute_type=compute_type,
+        inter_threads=workers,
+        intra_threads=max(1, args.threads // workers),
     )
 
 
@@ -677,21 +696,27 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
     return {"tokens": tokens, "seconds": best, "tokens_per_second": tokens / best, "all_seconds": times}
 
 
-def child_translate(engine: str, args: argparse.Namespace) -> dict:
-    """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it."""
+def child_translate(engine: str, args: argparse.Namespace, workers: int = 1) -> dict:
+    """Sentences per second of beam search with a trained model, every sentence ending where the engine ends it.
+
+    `workers` above 1: the batches go to that many processes of one thread each (`map_in_workers`), or to
+    CTranslate2's `inter_threads` workers.
+    """
     from transformers import AutoTokenizer
 
-    from vaswani_transformer.translation import corpus_bleu  # also registers the tokenizer: no trust_remote_code prompt
+    # corpus_bleu: also registers the tokenizer (no trust_remote_code prompt)
+    from vaswani_transformer.translation import corpus_bleu, map_in_workers
 
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
     tokenizer = AutoTokenizer.from_pretrained(args.workdir / "ours")
     if engine.startswith("ct2"):
-        translator = ct2_translator(engine, args.workdir / "ct2", args)
+        translator = ct2_translator(engine, args.workdir / "ct2", args, workers)
         batches = json.loads((args.workdir / "translate_tokens.json").read_text())
 
-        def run(batch):
-            output = translator.translate_batch(batch, beam_size=4, length_penalty=1.0, max_decoding_length=128)
-            return [result.hypotheses[0] for result in output]
+        def run_all(batches):  # submitted together, so that `inter_threads` workers take batches side by side
+            options = dict(beam_size=4, length_penalty=1.0, max_decoding_length=128, asynchronous=True)
+            results = [translator.translate_batch(batch, **options) for batch in batches]
+            return [result.result().hypotheses[0] for batch in results for result in batch]
 
         def to_ids(hypothesis):  # CTranslate2 gives tokens, without </s>
             return tokenizer.convert_tokens_to_ids(hypothesis) + [tokenizer.eos_token_id]
@@ -720,14 +745,17 @@ def child_translate(engine: str, args: argparse.Namespace) -> dict:
                 generated = model.generate(**batch)[:, 1:]
             return generated.tolist()
 
+        def run_all(batches):
+            return [output for outputs in map_in_workers(run, batches, workers) for output in outputs]
+
         def to_ids(row):  # up to and with the first </s>: what follows is filling (with </s> where <pad> is 0)
             return row[: row.index(config.eos_token_id) + 1] if config.eos_token_id in row else row
 
-    run(batches[0])  # warm-up
+    run_all(batches[:1])  # warm-up
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        outputs = [output for batch in batches for output in run(batch)]  # read back: no GPU work left queued
+        outputs = run_all(batches)  # read back: no GPU work left queued
         times.append(time.perf_counter() - start)
     outputs = [to_ids(output) for output in outputs]
     references = json.loads((args.workdir / "translate_references.json").read_text())
@@ -770,8 +798,8 @@ def child(args: argparse.Namespace) -> None:
         result = child_train(engine, args)
     elif task == "train-turns":
         result = child_train_turns(args)
-    elif task == "translate":
-        result = child_translate(engine, args)
+    elif task.startswith("translate"):
+        result = child_translate(engine, args, args.threads if task == "translate-workers" else 1)
     elif engine.startswith("ct2"):
         result = child_decode_ct2(engine, task, args)
     else:

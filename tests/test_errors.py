@@ -159,6 +159,19 @@ def test_a_batch_size_below_one_is_refused(translator, translator_dir, tmp_path,
     assert_one_line_error(status, err, "batch_size must be at least 1")
 
 
+def test_worker_processes_are_refused_where_they_cannot_run(translator, translator_dir, tmp_path, capsys):
+    model, tokenizer = translator
+    with pytest.raises(ValueError, match="num_workers must be at least 1 process, got 0"):
+        translate(model, tokenizer, ["A dog."], num_workers=0)
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--num-workers", "0")
+    assert_one_line_error(status, err, "num_workers must be at least 1")
+    on_meta, _ = load_translator(str(translator_dir), "cpu")
+    with pytest.raises(ValueError, match=r"num_workers=2 \(--num-workers\) translates with the model in that many CPU"):
+        list(translate_stream(on_meta.to("meta"), tokenizer, ["A dog."], num_workers=2))
+
+
 # Inputs longer than the model's limit -------------------------------------------------------------
 
 

@@ -100,4 +100,6 @@ def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, expo
     engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
     with pytest.raises(ValueError, match="num_beams"):
         translate(engine, tokenizer, ["A dog runs."], num_beams=2)
+    with pytest.raises(ValueError, match="use 1 for a model on a GPU or a CTranslate2 engine"):
+        translate(engine, tokenizer, ["A dog runs."], num_workers=2)
     assert translate(engine, tokenizer, ["A dog runs.", " "])[1] == ""

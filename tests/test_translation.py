@@ -1,8 +1,20 @@
 """Translating with a trained model and choosing its decoding on a development set (§6.1)."""
 
-import pytest
+import os
+from concurrent.futures.process import BrokenProcessPool
 
-from vaswani_transformer.translation import choose_decoding, corpus_bleu, load_translator, translate, validation_bleu
+import pytest
+import torch
+
+from vaswani_transformer.translation import (
+    choose_decoding,
+    corpus_bleu,
+    load_translator,
+    map_in_workers,
+    translate,
+    translate_stream,
+    validation_bleu,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +58,48 @@ def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training
     with pytest.raises(RuntimeError, match="out of memory"):
         validation_bleu(model, tokenizer, sources, references)
     assert model.training
+
+
+def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sources = corpus["test_2016_flickr"]["en"][:40]
+    sources = [*sources[:10], "", *sources[10:]]  # a blank line stays blank in its place
+    expected = translate(model, tokenizer, sources, 8)
+    assert translate(model, tokenizer, sources, 8, num_workers=2) == expected
+    assert expected[10] == "" and all(expected[:10])
+    streamed = list(translate_stream(model, tokenizer, sources, 8, num_workers=2))
+    assert streamed == list(translate_stream(model, tokenizer, sources, 8))
+
+
+def test_map_in_workers_keeps_the_order_in_processes_of_one_thread():
+    parent = os.getpid()
+    results = list(map_in_workers(lambda item: (item * item, os.getpid(), torch.get_num_threads()), range(12), 2))
+    assert [square for square, _, _ in results] == [item * item for item in range(12)]
+    workers = {pid for _, pid, _ in results}
+    assert parent not in workers and 1 <= len(workers) <= 2
+    assert {threads for _, _, threads in results} == {1}
+    assert list(map_in_workers(lambda item: (item, os.getpid()), range(3))) == [(0, parent), (1, parent), (2, parent)]
+
+
+def test_map_in_workers_yields_what_came_before_a_failure_and_never_waits_on_a_dead_worker():
+    def items():
+        yield from range(5)
+        raise OSError("the input broke off")
+
+    results = map_in_workers(lambda item: item + 1, items(), 2)
+    assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
+    with pytest.raises(OSError, match="the input broke off"):
+        next(results)
+
+    def refuse_three(item):
+        if item == 3:
+            raise ValueError("three is refused")
+        return item
+
+    results = map_in_workers(refuse_three, range(8), 2)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="three is refused"):
+        next(results)
+    # A worker that dies (killed for memory, say) fails the call instead of leaving it waiting forever.
+    with pytest.raises(BrokenProcessPool):
+        list(map_in_workers(lambda item: os._exit(1), range(4), 2))

@@ -2,7 +2,11 @@
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import evaluate
@@ -109,6 +113,84 @@ def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     return min(limits, default=None)
 
 
+# In a worker process of `map_in_workers`: the function it serves. The process belongs to one call, which set it.
+_worker_function: Callable | None = None
+
+
+def _start_worker(function: Callable) -> None:
+    # A forked process cannot start the OpenMP threads of its parent again (GNU OpenMP hangs), so each worker computes
+    # on one thread, and its tokenizer too (tokenizers would warn about its own threads).
+    global _worker_function
+    torch.set_num_threads(1)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_function = function
+
+
+def _run_in_worker(item):
+    return _worker_function(item)
+
+
+def map_in_workers(function: Callable, items: Iterable, num_workers: int = 1) -> Iterator:
+    """`function(item)` for each item, in order, computed by `num_workers` processes of one thread each.
+
+    The model's decoding step is many small operators, and one Python thread issues them in turn:
+    on a CPU, worker processes that each translate whole batches on one thread keep every core busy
+    where one process with a thread per core waits on its interpreter (docs/performance.md,
+    "Translating in worker processes"). The workers are forked from this process when the first
+    item comes, so they share its model (copy-on-write) and may run a closure; they end with the
+    iteration. Items are read as the results are taken, at most two per worker ahead: an error from
+    `items` comes after the results of the items before it.
+
+    Args:
+        function: item -> result; run in the worker processes (in this process for `num_workers=1`).
+        items: its arguments, sent to the workers by pickling (a batch of sentences, say).
+        num_workers: processes, each with one intra-op thread; 1 computes here, with this process's threads.
+
+    Yields:
+        `function(item)` for each item, in the order of `items`.
+
+    Raises:
+        ValueError: `num_workers` below 1, or above 1 where processes cannot be forked (Windows).
+        concurrent.futures.process.BrokenProcessPool: a worker died (killed for memory, say).
+        Whatever `function` raises in a worker, and whatever `items` raises.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be at least 1 process, got {num_workers}.")
+    if num_workers == 1:
+        yield from map(function, items)
+        return
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError("num_workers above 1 forks worker processes, which this platform cannot: use num_workers=1.")
+    items, pending, error = iter(items), deque(), None
+    pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("fork"), _start_worker, (function,))
+    try:
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                break
+            except Exception as exception:  # the items before it are still translated and yielded first
+                error = exception
+                break
+            pending.append(pool.submit(_run_in_worker, item))
+            if len(pending) == 2 * num_workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+        if error is not None:
+            raise error
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _check_num_workers(model: PreTrainedModel | CTranslate2Engine, num_workers: int) -> None:
+    if num_workers > 1 and (isinstance(model, CTranslate2Engine) or model.device.type != "cpu"):
+        raise ValueError(
+            f"num_workers={num_workers} (--num-workers) translates with the model in that many CPU processes of one "
+            "thread each: use 1 for a model on a GPU or a CTranslate2 engine (which has its own inter_threads)."
+        )
+
+
 class _Translator:
     """Translates batches of sentences with `generate()`, or a `CTranslate2Engine`, applying the user's choice for
     too-long sources.
@@ -166,30 +248,31 @@ class _Translator:
         self.warned = True
 
     @torch.inference_mode()
-    def translate(self, sentences: list[str], progress: bool = False) -> list[str]:
+    def translate_batch(self, sentences: list[str]) -> list[str]:
+        """Translate non-blank `sentences` (already checked) with one `generate()` call or CTranslate2 batch."""
+        if not sentences:
+            return []
+        if isinstance(self.model, CTranslate2Engine):
+            return self.model.translate(sentences)
+        inputs = self.tokenizer(
+            sentences, return_tensors="pt", padding=True, truncation=self.limit is not None, max_length=self.limit
+        ).to(self.model.device)
+        output_ids = self.model.generate(**inputs, **self.generate_kwargs)
+        return [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
+
+    def translate(self, sentences: list[str], progress: bool = False, num_workers: int = 1) -> list[str]:
         """Translate `sentences` (already checked) in batches of similar length; the output keeps their order."""
         # Sorting by length keeps padding, and so wasted work, small.
         order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
+        chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
+        batches = [[i for i in chunk if sentences[i].strip()] for chunk in chunks]  # blank lines stay blank
+        translated = map_in_workers(self.translate_batch, ([sentences[i] for i in b] for b in batches), num_workers)
         translations = [""] * len(sentences)
         with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
-            for start in range(0, len(order), self.batch_size):
-                indices = [i for i in order[start : start + self.batch_size] if sentences[i].strip()]
-                if indices and isinstance(self.model, CTranslate2Engine):
-                    for i, text in zip(indices, self.model.translate([sentences[i] for i in indices]), strict=True):
-                        translations[i] = text
-                elif indices:
-                    inputs = self.tokenizer(
-                        [sentences[i] for i in indices],
-                        return_tensors="pt",
-                        padding=True,
-                        truncation=self.limit is not None,
-                        max_length=self.limit,
-                    ).to(self.model.device)
-                    output_ids = self.model.generate(**inputs, **self.generate_kwargs)
-                    texts = self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)
-                    for i, text in zip(indices, texts, strict=True):
-                        translations[i] = text.strip()
-                bar.update(min(self.batch_size, len(order) - start))
+            for chunk, batch, texts in zip(chunks, batches, translated, strict=True):
+                for i, text in zip(batch, texts, strict=True):
+                    translations[i] = text
+                bar.update(len(chunk))
         return translations
 
 
@@ -200,6 +283,7 @@ def translate(
     batch_size: int = 64,
     progress: bool = False,
     long_inputs: str = "truncate",
+    num_workers: int = 1,
     **generate_kwargs,
 ) -> list[str]:
     """Translate sentences in batches of similar length with `model.generate()`.
@@ -217,18 +301,22 @@ def translate(
         progress: show a progress bar (in sentences).
         long_inputs: for sources longer than `source_length_limit` (tokens): "truncate" them to
             it with one warning (logged), or "error".
+        num_workers: CPU processes that translate batches side by side, one thread each
+            (`map_in_workers`); 1 (the default) translates here with PyTorch's threads.
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
         One translation per sentence, detokenized, in the input's order.
 
     Raises:
-        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with a CTranslate2 engine, or
-            (with "error") a source over the limit; the message names the sentence (1-based) and its length.
+        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with a CTranslate2 engine,
+            `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, or (with "error") a
+            source over the limit; the message names the sentence (1-based) and its length.
     """
+    _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
     translator.check_lengths(sentences, first_number=1)
-    return translator.translate(sentences, progress)
+    return translator.translate(sentences, progress, num_workers)
 
 
 def translate_stream(
@@ -237,22 +325,30 @@ def translate_stream(
     lines: Iterable[str],
     batch_size: int = 64,
     long_inputs: str = "truncate",
+    num_workers: int = 1,
     **generate_kwargs,
 ) -> Iterator[str]:
     """Translate lines as they arrive (e.g. from stdin), `batch_size` at a time, in order.
 
     A line is translated as soon as its batch is full or the input ends; pass `batch_size=1` to
-    answer every line at once in an interactive session. Lines lose a trailing newline; an
-    empty line gives an empty line, and no lines give no output. Arguments and errors are those
-    of `translate` (sentence numbers count from the first line of the stream); a too-long line
-    raises only when its batch is reached, after the lines before it were yielded.
+    answer every line at once in an interactive session. With `num_workers` above 1 the workers
+    take up to two batches each ahead of the output, for files rather than a terminal. Lines lose a
+    trailing newline; an empty line gives an empty line, and no lines give no output. Arguments and
+    errors are those of `translate` (sentence numbers count from the first line of the stream); a
+    too-long line raises only when its batch is reached, after the lines before it were yielded.
     """
+    _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
-    lines, first_number = iter(lines), 1
-    while batch := [line.rstrip("\n") for line in itertools.islice(lines, batch_size)]:
-        translator.check_lengths(batch, first_number)
-        yield from translator.translate(batch)
-        first_number += len(batch)
+
+    def checked_batches(lines: Iterator[str]) -> Iterator[list[str]]:
+        first_number = 1
+        while batch := [line.rstrip("\n") for line in itertools.islice(lines, batch_size)]:
+            translator.check_lengths(batch, first_number)
+            yield batch
+            first_number += len(batch)
+
+    for translations in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
+        yield from translations
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False, tokenize: str = "13a") -> dict:
