@@ -138,8 +138,10 @@ def map_in_workers(function: Callable, items: Iterable, num_workers: int = 1) ->
     where one process with a thread per core waits on its interpreter (docs/performance.md,
     "Translating in worker processes"). The workers are forked from this process when the first
     item comes, so they share its model (copy-on-write) and may run a closure; they end with the
-    iteration. Items are read as the results are taken, at most two per worker ahead: an error from
-    `items` comes after the results of the items before it.
+    iteration. A fork copies only the calling thread: call it where no other thread of this process
+    is computing (a server's threads hold locks that would stay held in the workers). Items are read
+    as the results are taken, at most two per worker ahead: an error from `items` comes after the
+    results of the items before it.
 
     Args:
         function: item -> result; run in the worker processes (in this process for `num_workers=1`).
