@@ -9,12 +9,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 from conftest import cli_arguments, mini_run
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
 from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.training_config import TrainingConfig
+from vaswani_transformer.translation import can_fork_workers
 
 SENTENCE = "A man is riding a bicycle down the street."
 
@@ -179,6 +181,36 @@ def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained
         assert main(["evaluate", *options, *files, "--no-model-card"]) == 0
         capsys.readouterr()
         assert output.read_text().splitlines() == expected[alpha]
+
+
+@pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+def test_translate_and_evaluate_hand_batches_to_worker_processes(
+    trained_model_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    from vaswani_transformer.translation import _Translator, load_translator, translate, translate_stream
+
+    sources = corpus["test_2016_flickr"]["en"][:24]
+    (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
+    (tmp_path / "test.de").write_text("\n".join(corpus["test_2016_flickr"]["de"][:24]) + "\n")
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    expected = {
+        "translate": list(translate_stream(model, tokenizer, sources, 4)),
+        "evaluate": translate(model, tokenizer, sources, 4),
+    }
+    translate_batch = _Translator.translate_batch  # each translation says which process made it: "PID|translation"
+    monkeypatch.setattr(
+        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
+    )
+    options = ["--model", str(trained_model_dir), "--batch-size", "4", "--num-workers", "2"]
+    assert main(["translate", *options, "--input", str(tmp_path / "test.en")]) == 0
+    outputs = {"translate": capsys.readouterr().out.splitlines()}
+    files = ["--source", str(tmp_path / "test.en"), "--reference", str(tmp_path / "test.de")]
+    assert main(["evaluate", *options, *files, "--output", str(tmp_path / "hyp.de"), "--no-model-card"]) == 0
+    outputs["evaluate"] = (tmp_path / "hyp.de").read_text().splitlines()
+    for command, lines in outputs.items():
+        workers = {line.split("|")[0] for line in lines}
+        assert str(os.getpid()) not in workers and len(workers) == 2, command
+        assert [line.split("|", 1)[1] for line in lines] == expected[command], command
 
 
 def translate_in_a_new_process(model_dir: Path, text: str, *options: str) -> subprocess.CompletedProcess:

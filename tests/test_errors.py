@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,30 @@ from vaswani_transformer.data import iter_lines, load_parallel_corpus
 from vaswani_transformer.generation_vaswani import paper_generation_config
 from vaswani_transformer.hub import ensure_writable, save_translator
 from vaswani_transformer.serving_config import ServingConfig
-from vaswani_transformer.translation import corpus_bleu, load_translator, translate, translate_stream
+from vaswani_transformer.translation import (
+    _Translator,
+    can_fork_workers,
+    corpus_bleu,
+    load_translator,
+    translate,
+    translate_stream,
+)
 
 LIMIT = 12  # model_max_length of the saved translator's tokenizer, in tokens
 LONG = "A man in a blue shirt is standing on a ladder cleaning the windows of a tall building."
+
+
+class TerminalInput(io.StringIO):
+    """Standard input as a terminal gives it: lines typed one by one."""
+
+    buffer = None  # set in __init__: the bytes of the same text
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.buffer = io.BytesIO(text.encode())
+
+    def isatty(self) -> bool:
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +180,7 @@ def test_a_batch_size_below_one_is_refused(translator, translator_dir, tmp_path,
     assert_one_line_error(status, err, "batch_size must be at least 1")
 
 
-def test_worker_processes_are_refused_where_they_cannot_run(translator, translator_dir, tmp_path, capsys):
+def test_worker_processes_are_refused_where_they_cannot_run(translator, translator_dir, tmp_path, capsys, monkeypatch):
     model, tokenizer = translator
     with pytest.raises(ValueError, match="num_workers must be at least 1 process, got 0"):
         translate(model, tokenizer, ["A dog."], num_workers=0)
@@ -170,6 +191,21 @@ def test_worker_processes_are_refused_where_they_cannot_run(translator, translat
     on_meta, _ = load_translator(str(translator_dir), "cpu")
     with pytest.raises(ValueError, match=r"num_workers=2 \(--num-workers\) translates with the model in that many CPU"):
         list(translate_stream(on_meta.to("meta"), tokenizer, ["A dog."], num_workers=2))
+    # In a terminal a typed line would wait for the lines after it.
+    monkeypatch.setattr(sys, "stdin", TerminalInput("A dog.\n"))
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--num-workers", "2")
+    assert_one_line_error(status, err, "--num-workers above 1 translates batches ahead", "--input FILE")
+
+
+@pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+def test_a_worker_process_that_dies_is_one_line_of_error(translator_dir, tmp_path, capsys, monkeypatch):
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\nA cat.\nTwo birds.\n", encoding="utf-8")
+    monkeypatch.setattr(_Translator, "translate_batch", lambda self, texts: os._exit(1))  # killed for memory, say
+    status, _, err = run_cli(
+        capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "1", "--num-workers", "2"
+    )
+    assert_one_line_error(status, err, "terminated abruptly")
 
 
 # Inputs longer than the model's limit -------------------------------------------------------------

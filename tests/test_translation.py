@@ -1,12 +1,17 @@
 """Translating with a trained model and choosing its decoding on a development set (§6.1)."""
 
+import multiprocessing
 import os
+import sys
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import torch
 
 from vaswani_transformer.translation import (
+    _Translator,
+    can_fork_workers,
     choose_decoding,
     corpus_bleu,
     load_translator,
@@ -60,27 +65,56 @@ def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training
     assert model.training
 
 
-def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus):
+needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+
+
+def tag_with_process(monkeypatch) -> None:
+    """Make every batch's translations say which process translated them ("PID|translation")."""
+    translate_batch = _Translator.translate_batch
+    monkeypatch.setattr(
+        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
+    )
+
+
+@needs_fork
+def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus, monkeypatch):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     sources = corpus["test_2016_flickr"]["en"][:40]
     sources = [*sources[:10], "", *sources[10:]]  # a blank line stays blank in its place
     expected = translate(model, tokenizer, sources, 8)
-    assert translate(model, tokenizer, sources, 8, num_workers=2) == expected
+    streamed = list(translate_stream(model, tokenizer, sources, 8))
     assert expected[10] == "" and all(expected[:10])
-    streamed = list(translate_stream(model, tokenizer, sources, 8, num_workers=2))
-    assert streamed == list(translate_stream(model, tokenizer, sources, 8))
+    tag_with_process(monkeypatch)
+    for translations, reference in (
+        (translate(model, tokenizer, sources, 8, num_workers=2), expected),
+        (list(translate_stream(model, tokenizer, sources, 8, num_workers=2)), streamed),
+    ):
+        workers = {t.split("|")[0] for t in translations if t}
+        assert str(os.getpid()) not in workers and len(workers) == 2
+        assert [t.split("|", 1)[-1] for t in translations] == reference
 
 
+@needs_fork
 def test_map_in_workers_keeps_the_order_in_processes_of_one_thread():
+    def late_first(item):  # the first items take longest, so that they finish last
+        time.sleep(0.02 * (12 - item))
+        return item * item, os.getpid(), torch.get_num_threads()
+
     parent = os.getpid()
-    results = list(map_in_workers(lambda item: (item * item, os.getpid(), torch.get_num_threads()), range(12), 2))
+    results = list(map_in_workers(late_first, range(12), 2))
     assert [square for square, _, _ in results] == [item * item for item in range(12)]
     workers = {pid for _, pid, _ in results}
     assert parent not in workers and 1 <= len(workers) <= 2
     assert {threads for _, _, threads in results} == {1}
     assert list(map_in_workers(lambda item: (item, os.getpid()), range(3))) == [(0, parent), (1, parent), (2, parent)]
+    # Left early, the iteration ends its workers.
+    results = map_in_workers(late_first, range(12), 2)
+    assert next(results)[0] == 0
+    results.close()
+    assert multiprocessing.active_children() == []
 
 
+@needs_fork
 def test_map_in_workers_yields_what_came_before_a_failure_and_never_waits_on_a_dead_worker():
     def items():
         yield from range(5)
@@ -100,6 +134,29 @@ def test_map_in_workers_yields_what_came_before_a_failure_and_never_waits_on_a_d
     assert [next(results) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="three is refused"):
         next(results)
+
+    class TwoPartError(Exception):  # cannot be rebuilt from its pickle: Exception passes one argument back
+        def __init__(self, first, second):
+            super().__init__(f"{first} and {second}")
+
+    def raise_two_parts(item):
+        raise TwoPartError("this", "that")
+
+    with pytest.raises(RuntimeError, match="TwoPartError: this and that"):
+        list(map_in_workers(raise_two_parts, range(2), 2))
     # A worker that dies (killed for memory, say) fails the call instead of leaving it waiting forever.
     with pytest.raises(BrokenProcessPool):
         list(map_in_workers(lambda item: os._exit(1), range(4), 2))
+
+
+def test_map_in_workers_refuses_where_it_cannot_fork_at_the_call(monkeypatch):
+    with pytest.raises(ValueError, match="num_workers must be at least 1 process, got 0"):
+        map_in_workers(abs, [1], 0)
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    with pytest.raises(ValueError, match="cannot do safely: use num_workers=1"):
+        map_in_workers(abs, [1], 2)
+    assert list(map_in_workers(abs, [-1, 2])) == [1, 2]  # one worker: computed here, anywhere
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ValueError, match="darwin cannot do safely"):
+        map_in_workers(abs, [1], 2)

@@ -12,6 +12,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import BrokenExecutor
 from dataclasses import MISSING, fields
 from pathlib import Path
 from types import UnionType
@@ -70,7 +71,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="CPU processes that translate batches side by side, one thread each: for files, faster than one "
-        "process with a thread per core (about one worker per core); the torch engine on the CPU only (default: 1)",
+        "process with a thread per core (about one worker per core), each translation waiting for the batches "
+        "after it; the torch engine on the CPU, on Linux (default: 1)",
     )
     parser.add_argument(
         "--long-inputs",
@@ -322,6 +324,11 @@ def _translate(args: argparse.Namespace) -> None:
         raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
     if args.attention_dir:
         ensure_writable(args.attention_dir)
+    if args.num_workers > 1 and args.input == "-" and sys.stdin.isatty():
+        raise ValueError(
+            "--num-workers above 1 translates batches ahead, so a typed line would wait for the lines after it: "
+            "use it with --input FILE or piped input, or leave it at 1 in a terminal."
+        )
     lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
     if args.engine == "ctranslate2":
         from .export import load_ctranslate2_engine
@@ -419,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, or 2 after one line on stderr for an expected failure (a ValueError,
-        OSError or MemoryError: a bad path or value, a full device). Invalid options exit with
+        OSError, MemoryError or BrokenExecutor: a bad path or value, a full device, a worker of
+        `--num-workers` killed). Invalid options exit with
         status 2 through argparse (SystemExit).
     """
     args = build_parser().parse_args(argv)
@@ -435,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]
     try:
         command(args)
-    except (ValueError, OSError, MemoryError) as error:
+    except (ValueError, OSError, MemoryError, BrokenExecutor) as error:
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -4,6 +4,8 @@ import itertools
 import logging
 import multiprocessing
 import os
+import pickle
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -127,7 +129,24 @@ def _start_worker(function: Callable) -> None:
 
 
 def _run_in_worker(item):
-    return _worker_function(item)
+    try:
+        return _worker_function(item)
+    except Exception as error:
+        # An exception that does not survive pickling would reach the caller as BrokenProcessPool instead.
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            raise RuntimeError(f"{type(error).__name__}: {error}") from None
+        raise
+
+
+def can_fork_workers() -> bool:
+    """Whether this platform runs `map_in_workers` with more than one worker: Linux and the other Unixes.
+
+    Windows cannot fork; macOS can, but its system libraries are not safe in a forked child (Python
+    starts processes there by spawning since 3.8).
+    """
+    return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
 
 
 def map_in_workers(function: Callable, items: Iterable, num_workers: int = 1) -> Iterator:
@@ -140,30 +159,37 @@ def map_in_workers(function: Callable, items: Iterable, num_workers: int = 1) ->
     item comes, so they share its model (copy-on-write) and may run a closure; they end with the
     iteration. A fork copies only the calling thread: call it where no other thread of this process
     is computing (a server's threads hold locks that would stay held in the workers). Items are read
-    as the results are taken, at most two per worker ahead: an error from `items` comes after the
-    results of the items before it.
+    as the results are taken, at most two per worker ahead, so a result waits for later items (or
+    the end of `items`): for files, not for lines typed one by one. An error from `items` comes
+    after the results of the items before it.
 
     Args:
         function: item -> result; run in the worker processes (in this process for `num_workers=1`).
         items: its arguments, sent to the workers by pickling (a batch of sentences, say).
         num_workers: processes, each with one intra-op thread; 1 computes here, with this process's threads.
 
-    Yields:
-        `function(item)` for each item, in the order of `items`.
+    Returns:
+        An iterator of `function(item)` for each item, in the order of `items`.
 
     Raises:
-        ValueError: `num_workers` below 1, or above 1 where processes cannot be forked (Windows).
+        ValueError (at the call): `num_workers` below 1, or above 1 where `can_fork_workers()` is False.
         concurrent.futures.process.BrokenProcessPool: a worker died (killed for memory, say).
-        Whatever `function` raises in a worker, and whatever `items` raises.
+        Whatever `function` raises in a worker (as RuntimeError with its type and message where the exception
+        cannot be pickled), and whatever `items` raises.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be at least 1 process, got {num_workers}.")
     if num_workers == 1:
-        yield from map(function, items)
-        return
-    if "fork" not in multiprocessing.get_all_start_methods():
-        raise ValueError("num_workers above 1 forks worker processes, which this platform cannot: use num_workers=1.")
-    items, pending, error = iter(items), deque(), None
+        return map(function, items)
+    if not can_fork_workers():
+        raise ValueError(
+            f"num_workers above 1 forks worker processes, which {sys.platform} cannot do safely: use num_workers=1."
+        )
+    return _mapped_in_workers(function, iter(items), num_workers)
+
+
+def _mapped_in_workers(function: Callable, items: Iterator, num_workers: int) -> Iterator:
+    pending, error = deque(), None
     pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("fork"), _start_worker, (function,))
     try:
         while True:
@@ -262,19 +288,23 @@ class _Translator:
         output_ids = self.model.generate(**inputs, **self.generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
 
-    def translate(self, sentences: list[str], progress: bool = False, num_workers: int = 1) -> list[str]:
-        """Translate `sentences` (already checked) in batches of similar length; the output keeps their order."""
+    def translate(self, sentences: list[str], num_workers: int = 1, progress: tqdm | None = None) -> list[str]:
+        """Translate `sentences` (already checked) in batches of similar length; the output keeps their order.
+
+        `progress` (a bar counting sentences) is updated here, never in a worker: a bar takes tqdm's lock,
+        which a worker forked while tqdm's monitor thread held it would wait on forever.
+        """
         # Sorting by length keeps padding, and so wasted work, small.
         order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
         chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         batches = [[i for i in chunk if sentences[i].strip()] for chunk in chunks]  # blank lines stay blank
         translated = map_in_workers(self.translate_batch, ([sentences[i] for i in b] for b in batches), num_workers)
         translations = [""] * len(sentences)
-        with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
-            for chunk, batch, texts in zip(chunks, batches, translated, strict=True):
-                for i, text in zip(batch, texts, strict=True):
-                    translations[i] = text
-                bar.update(len(chunk))
+        for chunk, batch, texts in zip(chunks, batches, translated, strict=True):
+            for i, text in zip(batch, texts, strict=True):
+                translations[i] = text
+            if progress is not None:
+                progress.update(len(chunk))
         return translations
 
 
@@ -304,7 +334,8 @@ def translate(
         long_inputs: for sources longer than `source_length_limit` (tokens): "truncate" them to
             it with one warning (logged), or "error".
         num_workers: CPU processes that translate batches side by side, one thread each
-            (`map_in_workers`); 1 (the default) translates here with PyTorch's threads.
+            (`map_in_workers`; Linux and other Unixes, not macOS or Windows); 1 (the default)
+            translates here with PyTorch's threads.
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
@@ -318,7 +349,8 @@ def translate(
     _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
     translator.check_lengths(sentences, first_number=1)
-    return translator.translate(sentences, progress, num_workers)
+    with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
+        return translator.translate(sentences, num_workers, bar)
 
 
 def translate_stream(
