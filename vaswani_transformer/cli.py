@@ -72,7 +72,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="CPU processes that translate batches side by side, one thread each: for files, faster than one "
         "process with a thread per core (about one worker per core), each translation waiting for the batches "
-        "after it; the torch engine on the CPU, on Linux (default: 1)",
+        "after it; the torch engine on the CPU, not on macOS or Windows (default: 1)",
     )
     parser.add_argument(
         "--long-inputs",
