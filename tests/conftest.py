@@ -19,6 +19,7 @@ from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration  
 from vaswani_transformer.data import load_parallel_corpus, text_batches  # noqa: E402
 from vaswani_transformer.tokenization import train_tokenizer  # noqa: E402
 from vaswani_transformer.training import TrainingConfig  # noqa: E402
+from vaswani_transformer.translation import _Translator, can_fork_workers  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -160,3 +161,15 @@ def cli_arguments(config: TrainingConfig) -> list[str]:
         else:
             arguments += [flag] if value is True else [flag, str(value)]
     return arguments
+
+
+# Worker processes (`translation.map_in_workers`) are forked: Linux and other Unixes.
+needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+
+
+def tag_with_process(monkeypatch) -> None:
+    """Make every batch's translations say which process translated them ("PID|translation")."""
+    translate_batch = _Translator.translate_batch
+    monkeypatch.setattr(
+        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
+    )

@@ -9,14 +9,12 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import pytest
-from conftest import cli_arguments, mini_run
+from conftest import cli_arguments, mini_run, needs_fork, tag_with_process
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
 from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.training_config import TrainingConfig
-from vaswani_transformer.translation import can_fork_workers
 
 SENTENCE = "A man is riding a bicycle down the street."
 
@@ -183,11 +181,11 @@ def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained
         assert output.read_text().splitlines() == expected[alpha]
 
 
-@pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+@needs_fork
 def test_translate_and_evaluate_hand_batches_to_worker_processes(
     trained_model_dir, corpus, tmp_path, capsys, monkeypatch
 ):
-    from vaswani_transformer.translation import _Translator, load_translator, translate, translate_stream
+    from vaswani_transformer.translation import load_translator, translate, translate_stream
 
     sources = corpus["test_2016_flickr"]["en"][:24]
     (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
@@ -197,10 +195,7 @@ def test_translate_and_evaluate_hand_batches_to_worker_processes(
         "translate": list(translate_stream(model, tokenizer, sources, 4)),
         "evaluate": translate(model, tokenizer, sources, 4),
     }
-    translate_batch = _Translator.translate_batch  # each translation says which process made it: "PID|translation"
-    monkeypatch.setattr(
-        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
-    )
+    tag_with_process(monkeypatch)
     options = ["--model", str(trained_model_dir), "--batch-size", "4", "--num-workers", "2"]
     assert main(["translate", *options, "--input", str(tmp_path / "test.en")]) == 0
     outputs = {"translate": capsys.readouterr().out.splitlines()}

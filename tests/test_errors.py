@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import random_model
+from conftest import needs_fork, random_model
 from transformers import AutoConfig, AutoTokenizer
 
 from vaswani_transformer import VaswaniConfig
@@ -24,7 +24,6 @@ from vaswani_transformer.hub import ensure_writable, save_translator
 from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.translation import (
     _Translator,
-    can_fork_workers,
     corpus_bleu,
     load_translator,
     translate,
@@ -170,24 +169,22 @@ def test_translate_command_keeps_empty_lines_and_accepts_an_empty_file(translato
     assert status == 0 and out == ""
 
 
-def test_a_batch_size_below_one_is_refused(translator, translator_dir, tmp_path, capsys):
+@pytest.mark.parametrize("option, unit", [("batch_size", "sentence"), ("num_workers", "process")])
+def test_a_batch_size_or_a_number_of_workers_below_one_is_refused(
+    option, unit, translator, translator_dir, tmp_path, capsys
+):
     model, tokenizer = translator
-    with pytest.raises(ValueError, match="batch_size must be at least 1 sentence, got 0"):
-        translate(model, tokenizer, ["A dog."], batch_size=0)
+    with pytest.raises(ValueError, match=f"{option} must be at least 1 {unit}, got 0"):
+        translate(model, tokenizer, ["A dog."], **{option: 0})
     source = tmp_path / "in.en"
     source.write_text("A dog.\n", encoding="utf-8")
-    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "0")
-    assert_one_line_error(status, err, "batch_size must be at least 1")
+    flag = "--" + option.replace("_", "-")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, flag, "0")
+    assert_one_line_error(status, err, f"{option} must be at least 1")
 
 
-def test_worker_processes_are_refused_where_they_cannot_run(translator, translator_dir, tmp_path, capsys, monkeypatch):
-    model, tokenizer = translator
-    with pytest.raises(ValueError, match="num_workers must be at least 1 process, got 0"):
-        translate(model, tokenizer, ["A dog."], num_workers=0)
-    source = tmp_path / "in.en"
-    source.write_text("A dog.\n", encoding="utf-8")
-    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--num-workers", "0")
-    assert_one_line_error(status, err, "num_workers must be at least 1")
+def test_worker_processes_are_refused_where_they_cannot_run(translator, translator_dir, capsys, monkeypatch):
+    _, tokenizer = translator
     on_meta, _ = load_translator(str(translator_dir), "cpu")
     with pytest.raises(ValueError, match=r"num_workers=2 \(--num-workers\) translates with the model in that many CPU"):
         list(translate_stream(on_meta.to("meta"), tokenizer, ["A dog."], num_workers=2))
@@ -197,7 +194,7 @@ def test_worker_processes_are_refused_where_they_cannot_run(translator, translat
     assert_one_line_error(status, err, "--num-workers above 1 translates batches ahead", "--input FILE")
 
 
-@pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
+@needs_fork
 def test_a_worker_process_that_dies_is_one_line_of_error(translator_dir, tmp_path, capsys, monkeypatch):
     source = tmp_path / "in.en"
     source.write_text("A dog.\nA cat.\nTwo birds.\n", encoding="utf-8")

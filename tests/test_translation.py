@@ -8,10 +8,9 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import torch
+from conftest import needs_fork, tag_with_process
 
 from vaswani_transformer.translation import (
-    _Translator,
-    can_fork_workers,
     choose_decoding,
     corpus_bleu,
     load_translator,
@@ -63,17 +62,6 @@ def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training
     with pytest.raises(RuntimeError, match="out of memory"):
         validation_bleu(model, tokenizer, sources, references)
     assert model.training
-
-
-needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
-
-
-def tag_with_process(monkeypatch) -> None:
-    """Make every batch's translations say which process translated them ("PID|translation")."""
-    translate_batch = _Translator.translate_batch
-    monkeypatch.setattr(
-        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
-    )
 
 
 @needs_fork
