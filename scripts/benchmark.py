@@ -714,8 +714,8 @@ def child_translate(engine: str, args: argparse.Namespace, workers: int = 1) -> 
         batches = json.loads((args.workdir / "translate_tokens.json").read_text())
 
         def run_all(batches):  # submitted together, so that `inter_threads` workers take batches side by side
-            options = dict(beam_size=4, length_penalty=1.0, max_decoding_length=128, asynchronous=True)
-            results = [translator.translate_batch(batch, **options) for batch in batches]
+            search = dict(beam_size=4, length_penalty=1.0, max_decoding_length=128, asynchronous=True)
+            results = [translator.translate_batch(batch, **search) for batch in batches]
             return [result.result().hypotheses[0] for batch in results for result in batch]
 
         def to_ids(hypothesis):  # CTranslate2 gives tokens, without </s>
