@@ -4,7 +4,7 @@
 #   bash scripts/main_job.sh [DATA_DIR] [OUTPUT_DIR] [SOURCE_LANG] [TARGET_LANG]
 #
 # DATA_DIR holds train.<lang>, val.<lang> and test*.<lang> files (default: ../shared/data/multi30k).
-# It is the Multi30k recipe (scripts/recipes/multi30k.sh: Transformer-tiny, 4,096-token batches)
+# It is the Multi30k recipe (scripts/recipes/multi30k.sh: Transformer-tiny, shared 8,000-token BPE)
 # with TRAIN_MINUTES (default 20) of training, so that the whole job fits in 25 minutes on 2 cores,
 # the `tiny` preset's d_ff of 256, whose steps are a fifth faster than the recipe's 512,
 # batches of 2,048 tokens (on an AVX2-only CPU 2.4 times the steps a minute of 4,096-token ones, and
