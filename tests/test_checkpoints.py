@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,3 +162,16 @@ def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupt
         name = next(n for n in nine if n.endswith("weight") and nine[n].dim() == 2 and "shared" not in n)
     torch.testing.assert_close(model.state_dict()[name], (nine[name] + twelve[name]) / 2)
     assert main(["average", str(uninterrupted), "--last", "9"]) == 2
+
+
+def test_average_keeps_the_decoding_the_run_chose(uninterrupted, tmp_path):
+    from transformers import GenerationConfig
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    chosen = GenerationConfig.from_pretrained(run)
+    chosen.num_beams, chosen.length_penalty = 6, 1.4  # as --choose-num-beams / --choose-length-penalty would set
+    chosen.save_pretrained(run)
+    assert main(["average", str(run), "--last", "2"]) == 0
+    kept = GenerationConfig.from_pretrained(run)
+    assert (kept.num_beams, kept.length_penalty) == (6, 1.4)

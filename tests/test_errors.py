@@ -22,6 +22,7 @@ from vaswani_transformer.data import iter_lines, load_parallel_corpus
 from vaswani_transformer.generation_vaswani import paper_generation_config
 from vaswani_transformer.hub import ensure_writable, save_translator
 from vaswani_transformer.serving_config import ServingConfig
+from vaswani_transformer.training_config import TrainingConfig
 from vaswani_transformer.translation import (
     _Translator,
     corpus_bleu,
@@ -505,6 +506,42 @@ def test_training_without_a_validation_split_says_what_that_means_once(mini_corp
         train(mini_run(corpus, tmp_path / "run", max_steps=3, save_steps=3, average_last=1))
     warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.training"]
     assert len(warnings) == 1 and "No validation split" in warnings[0] and "no best checkpoint" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"learning_rate_scale": 0.0}, r"learning_rate_scale must be a positive number, got 0.0"),
+        ({"learning_rate_scale": float("nan")}, r"learning_rate_scale must be a positive number, got nan"),
+        ({"bleu_sentences": -1}, r"bleu_sentences must be 0 \(no BLEU\) or more, got -1"),
+        ({"early_stopping_patience": 0}, r"early_stopping_patience must be at least 1 validation, got 0"),
+        ({"choose_length_penalty": [0.6, float("nan")]}, r"choose_length_penalty: length_penalty must be a finite"),
+        ({"model_overrides": {"dropuot": 0.3}}, r"dropuot is no VaswaniConfig field; did you mean dropout\?"),
+        ({"model_overrides": {"vocab_size": 100}}, r"cannot set vocab_size: it comes from the tokenizer"),
+        ({"model_overrides": {"dropout": 1.5}}, r"VaswaniConfig\.dropout must be a probability"),
+    ],
+)
+def test_impossible_training_settings_are_refused_before_any_work(values, message, tmp_path):
+    required = dict(data=str(tmp_path), source_lang="en", target_lang="de", output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=message):
+        TrainingConfig(**required, max_steps=10, **values)
+
+
+def test_a_misspelt_model_option_is_one_line_before_the_corpus_is_read(tmp_path, capsys):
+    required = ["train", "--data-dir", tmp_path / "no-corpus", "--source-lang", "en", "--target-lang", "de"]
+    status, _, err = run_cli(capsys, *required, "--output-dir", tmp_path / "out", "--max-steps", "5",
+                             "--model-option", "d_fff=512")  # fmt: skip
+    assert_one_line_error(status, err, "d_fff is no VaswaniConfig field; did you mean d_ff?")
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_with_no_pair_short_enough_is_refused_not_left_waiting(mini_corpus, tmp_path):
+    from conftest import mini_run
+
+    from vaswani_transformer.training import train
+
+    with pytest.raises(ValueError, match=r"^No training batches: 0 of 400 training pairs .* --max-length \(1\)"):
+        train(mini_run(mini_corpus, tmp_path / "run", max_length=1))
 
 
 def test_push_without_a_reachable_hub_is_one_line(translator_dir, tmp_path):

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
 from .hub import save_translator
@@ -349,7 +350,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
     Args:
         run_dir: the output directory of a training run (its config, tokenizer and `checkpoints/`).
         last: how many of the newest checkpoints to average.
-        output_dir: where to write the model; default: `run_dir`, replacing its model.
+        output_dir: where to write the model; default: `run_dir`, replacing its model. The run's
+            generation_config.json (the decoding chosen on its validation set) is kept.
 
     Returns:
         The directory written, loadable with `from_pretrained`.
@@ -376,5 +378,7 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         )
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
+    if (run_dir / GENERATION_CONFIG_NAME).is_file():  # the decoding the run chose on its validation set (§6.1)
+        model.generation_config = GenerationConfig.from_pretrained(run_dir)
     load_model_state(model, average_checkpoints(chosen))
     return save_translator(model, tokenizer, output_dir or run_dir)

@@ -8,7 +8,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from types import UnionType
 from typing import get_args, get_origin
 
+from .generation_vaswani import check_length_penalty
 from .serving_config import LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
@@ -34,12 +34,9 @@ def _model_option(text: str) -> tuple[str, object]:
 
 def _length_penalty(text: str) -> float:
     try:
-        value = float(text)
+        return check_length_penalty(float(text))
     except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number such as 0.6, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected a finite number such as 0.6, got {text!r}") from None
 
 
 def _add_beam_options(parser: argparse.ArgumentParser) -> None:

@@ -350,6 +350,13 @@ class TrainingRun:
         self.train_batches = _batches(
             tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to
         )
+        if len(self.train_batches.batch_sampler) == 0:  # else the endless stream of batches would wait forever
+            raise ValueError(
+                f"No training batches: {len(tokenized['train'])} of {len(corpus['train'])} training pairs are not "
+                f"empty and at most --max-length ({config.max_length}) tokens long on both sides, fewer batches than "
+                f"the {accelerator.num_processes} process(es). Check train.{config.source_lang} and "
+                f"train.{config.target_lang} for empty lines, or raise --max-length."
+            )
         self.valid_batches = None
         if "validation" not in tokenized:
             logger.warning(

@@ -5,10 +5,17 @@ The command line `vaswani-transformer train` is generated from these fields (`cl
 config as `training_config.json`. Defaults are the paper's recipe (§5) wherever the paper gives one.
 """
 
+import difflib
+import inspect
+import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-from .configuration_vaswani import PRESETS
+from .configuration_vaswani import PRESETS, VaswaniConfig
+from .generation_vaswani import check_length_penalty
+
+# VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
 MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
@@ -41,9 +48,12 @@ class TrainingConfig:
     they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
 
     Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size or budget that is not positive, no
-            checkpoint clock (`save_steps` and `save_minutes` both 0) or a negative one, or fewer checkpoints kept
-            than averaged.
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size, budget, learning-rate scale or
+            patience that is not positive, a negative `bleu_sentences`, no checkpoint clock (`save_steps` and
+            `save_minutes` both 0) or a negative one, fewer checkpoints kept than averaged, an unknown
+            `mixed_precision`, a beam size below 1 or a length penalty that is no finite number to choose from, or
+            a `model_overrides` key that is no VaswaniConfig field, is set from the tokenizer, or has an
+            impossible value.
     """
 
     data: str
@@ -189,9 +199,40 @@ class TrainingConfig:
             )
         if any(beams < 1 for beams in self.choose_num_beams):
             raise ValueError(f"choose_num_beams must be at least 1 (1 is greedy search), got {self.choose_num_beams}.")
+        for alpha in self.choose_length_penalty:
+            try:
+                check_length_penalty(alpha)
+            except ValueError as error:
+                raise ValueError(f"choose_length_penalty: {error}") from None
+        if not (math.isfinite(self.learning_rate_scale) and self.learning_rate_scale > 0):
+            raise ValueError(f"learning_rate_scale must be a positive number, got {self.learning_rate_scale}.")
+        if self.bleu_sentences < 0:
+            raise ValueError(f"bleu_sentences must be 0 (no BLEU) or more, got {self.bleu_sentences}.")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(
+                f"early_stopping_patience must be at least 1 validation, got {self.early_stopping_patience}; "
+                "leave it out never to stop early."
+            )
+        self._check_model_overrides()
         if self.keep_checkpoints is None:
             self.keep_checkpoints = self.average_last
         if self.keep_checkpoints < self.average_last:
             raise ValueError(
                 f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
             )
+
+    def _check_model_overrides(self) -> None:
+        # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
+        # that nothing reads, and an impossible value would fail only when the model is built.
+        fields = [name for name in inspect.signature(VaswaniConfig.__init__).parameters if name != "self"]
+        for key in self.model_overrides:
+            if key in TOKENIZER_FIELDS:
+                raise ValueError(
+                    f"model_overrides (--model-option) cannot set {key}: it comes from the tokenizer "
+                    "(--vocab-size sets the size of the one trained, --tokenizer gives another)."
+                )
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; the fields are {', '.join(fields)}."
+                raise ValueError(f"model_overrides (--model-option): {key} is no VaswaniConfig field{hint}")
+        VaswaniConfig.from_preset(self.preset, **self.model_overrides)
