@@ -103,3 +103,27 @@ def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, expo
     with pytest.raises(ValueError, match="use 1 for a model on a GPU or a CTranslate2 engine"):
         translate(engine, tokenizer, ["A dog runs."], num_workers=2)
     assert translate(engine, tokenizer, ["A dog runs.", " "])[1] == ""
+
+
+def test_a_ctranslate2_engine_refuses_zero_beams_as_generate_does(trained_model_dir, exported, tmp_path, capsys):
+    for beams in (0, -1):
+        with pytest.raises(ValueError, match="num_beams must be at least 1"):
+            load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported, num_beams=beams)
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    argv = ["translate", "--model", str(trained_model_dir), "--input", str(source), "--num-beams", "0"]
+    assert main([*argv, "--engine", "ctranslate2", "--ctranslate2-dir", str(exported)]) == 2
+    assert "num_beams must be at least 1" in capsys.readouterr().err
+
+
+def test_the_engine_reads_and_writes_within_the_position_table_of_its_export(trained_model_dir, tmp_path, corpus):
+    short = tmp_path / "short"
+    assert main(["export-ctranslate2", str(trained_model_dir), str(short), "--max-positions", "12"]) == 0
+    engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=short)
+    assert engine.max_positions == 12
+    long_source = max(corpus["test_2016_flickr"]["en"][:100], key=len)
+    assert len(tokenizer(long_source).input_ids) > 12
+    # A table of 12 positions: the source is cut to 12 tokens and the output stops within 12, where the default
+    # table's 1,024 would have let CTranslate2 read past the table's end.
+    (translation,) = translate(engine, tokenizer, [long_source])
+    assert 0 < len(tokenizer(text_target=translation).input_ids) <= 12

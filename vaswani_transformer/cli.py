@@ -17,6 +17,7 @@ from pathlib import Path
 from types import UnionType
 from typing import get_args, get_origin
 
+from .convert import DEFAULT_MAX_POSITIONS
 from .generation_vaswani import check_length_penalty
 from .serving_config import LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
@@ -217,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight type stored (default: float32; CTranslate2 can also quantize when loading)",
     )
     export.add_argument(
-        "--max-positions", type=int, default=1024, help="longest source or target, in tokens (default: 1024)"
+        "--max-positions",
+        type=int,
+        default=DEFAULT_MAX_POSITIONS,
+        help=f"longest source or target, in tokens (default: {DEFAULT_MAX_POSITIONS})",
     )
     export.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
 

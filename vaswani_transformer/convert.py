@@ -238,8 +238,14 @@ def _marian_config(config: VaswaniConfig, max_position_embeddings: int) -> Maria
     )
 
 
+# Marian, and CTranslate2 after it, cannot extrapolate: they read positions from a table this long (ours computes them).
+DEFAULT_MAX_POSITIONS = 1024
+
+
 @torch.no_grad()
-def to_marian(model: VaswaniForConditionalGeneration, max_position_embeddings: int = 1024) -> MarianMTModel:
+def to_marian(
+    model: VaswaniForConditionalGeneration, max_position_embeddings: int = DEFAULT_MAX_POSITIONS
+) -> MarianMTModel:
     """Build the Hugging Face `MarianMTModel` that computes the same function as `model` (inverse of `from_marian`).
 
     Every weight is copied with its d_model axis permuted from the paper's interleaved layout to

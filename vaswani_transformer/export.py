@@ -23,21 +23,26 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 `generate()` does (the class says how nearly).
 """
 
+import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from .convert import to_marian
-from .generation_vaswani import check_length_penalty, gnmt_length_penalty
+from .convert import DEFAULT_MAX_POSITIONS, to_marian
+from .generation_vaswani import PAPER_MAX_LENGTH_B, check_length_penalty, check_num_beams, gnmt_length_penalty
 
 logger = logging.getLogger(__name__)
 
-# CTranslate2 cannot extrapolate: it reads positions from a table this long (our model computes them).
-DEFAULT_MAX_POSITIONS = 1024
+# Beside an export: the size of its position table, which bounds what the engine may read and write.
+EXPORT_SETTINGS_NAME = "vaswani_export.json"
+# CTranslate2's loaders are registered in one table for the whole process, and ours carries the position table's
+# size of the export in progress: exports from several threads take turns.
+_EXPORT_LOCK = threading.Lock()
 
 
 def _import_ctranslate2():
@@ -109,7 +114,8 @@ def export_ctranslate2(
         output_dir: where the CTranslate2 model (`model.bin`, `config.json`, vocabulary) goes.
         quantization: weight type to store ("int8", "int8_float32", "float16", "bfloat16", ...);
             None keeps float32. CTranslate2 can also quantize when loading (`compute_type=`).
-        max_positions: longest source or target, in tokens, the exported model can handle.
+        max_positions: longest source or target, in tokens, the exported model can handle; recorded
+            beside it (`vaswani_export.json`) for `CTranslate2Engine`.
         force: overwrite `output_dir` if it exists.
 
     Returns:
@@ -119,7 +125,7 @@ def export_ctranslate2(
         ImportError: ctranslate2 is not installed.
         OSError: `model_dir` holds no model or no tokenizer.
         ValueError: the model uses an option CTranslate2's Marian format cannot express (see
-            `convert.to_marian`), or `output_dir` exists and `force` is False.
+            `convert.to_marian`), `output_dir` exists and `force` is False, or `max_positions` is below 1.
     """
     import vaswani_transformer  # noqa: F401  (AutoConfig and AutoModelForSeq2SeqLM must know our classes)
 
@@ -133,9 +139,18 @@ def export_ctranslate2(
     if max_positions < 1:
         raise ValueError(f"max_positions must be a positive number of tokens, got {max_positions}.")
     _, ct2 = _import_ctranslate2()
-    _register_loader(max_positions)
-    converter = ct2.TransformersConverter(str(model_dir))
-    return Path(converter.convert(str(output_dir), quantization=quantization, force=force))
+    with _EXPORT_LOCK:
+        _register_loader(max_positions)
+        converter = ct2.TransformersConverter(str(model_dir))
+        exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
+    (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps({"max_positions": max_positions}) + "\n")
+    return exported
+
+
+def _export_max_positions(ct2_dir: Path) -> int:
+    # Exports made before the settings file was written used the default table.
+    settings = ct2_dir / EXPORT_SETTINGS_NAME
+    return json.loads(settings.read_text())["max_positions"] if settings.is_file() else DEFAULT_MAX_POSITIONS
 
 
 class CTranslate2Engine:
@@ -151,7 +166,8 @@ class CTranslate2Engine:
     two searches still differ in details (which candidates may end at a step, ties): on the main
     job's model 982 of the 1,000 test_2016_flickr sentences come out as `generate()` gives them (990
     with "hf"). The output is at most the batch's longest source + `max_length_b` (50) tokens,
-    where `generate()` limits each sentence by its own source.
+    where `generate()` limits each sentence by its own source, and sources and outputs at most the
+    export's `max_positions` (recorded beside it; 1,024 for exports that predate the record).
 
     Args:
         ct2_dir: a directory written by `export_ctranslate2`.
@@ -163,7 +179,7 @@ class CTranslate2Engine:
 
     Raises:
         ImportError: ctranslate2 is not installed.
-        ValueError: a length penalty that is not a finite number.
+        ValueError: a beam size below 1, or a length penalty that is not a finite number.
     """
 
     name = "ctranslate2"
@@ -180,14 +196,15 @@ class CTranslate2Engine:
         ctranslate2, _ = _import_ctranslate2()
         self.tokenizer = tokenizer
         self.translator = ctranslate2.Translator(str(ct2_dir), device=device, intra_threads=torch.get_num_threads())
-        self.beam_size = num_beams or generation_config.num_beams or 1
+        self.beam_size = check_num_beams(num_beams) or generation_config.num_beams or 1
         if length_penalty is None:
             length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
         self.length_penalty = check_length_penalty(length_penalty)
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
-        self.extra_length = generation_config.max_length_b or 50
+        b = generation_config.max_length_b
+        self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
         # The export's position table bounds sources and outputs alike.
-        self.max_positions = DEFAULT_MAX_POSITIONS
+        self.max_positions = _export_max_positions(Path(ct2_dir))
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
 
     def translate(self, sentences: list[str]) -> list[str]:

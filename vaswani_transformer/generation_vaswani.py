@@ -34,6 +34,10 @@ from .configuration_vaswani import VaswaniConfig
 # The paper's settings (§6.1) ----------------------------------------------------------------------
 
 
+# "input length + 50" (§6.1): the output's length limit beyond the source's, in tokens.
+PAPER_MAX_LENGTH_B = 50
+
+
 def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
     """The paper's decoding (§6.1): beam size 4, GNMT length penalty alpha 0.6, output length at most input length + 50.
 
@@ -53,7 +57,7 @@ def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
         early_stopping=True,
         max_new_tokens=256,
         max_length_a=1.0,
-        max_length_b=50,
+        max_length_b=PAPER_MAX_LENGTH_B,
         decoder_start_token_id=config.decoder_start_token_id,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -73,6 +77,17 @@ def gnmt_length_penalty(length: int, alpha: float) -> float:
         The divisor of the hypothesis' log-probability.
     """
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def check_num_beams(num_beams: int | None) -> int | None:
+    """`num_beams`, the beam size (§6.1: 4), if it is None (the generation config's) or at least 1.
+
+    Raises:
+        ValueError: `num_beams` is below 1.
+    """
+    if num_beams is not None and num_beams < 1:
+        raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
+    return num_beams
 
 
 def check_length_penalty(alpha: float) -> float:
@@ -182,9 +197,7 @@ class VaswaniGenerationMixin(GenerationMixin):
                 `length_penalty` is not a finite number.
         """
         config = generation_config or self.generation_config
-        num_beams = kwargs.get("num_beams", config.num_beams)
-        if num_beams is not None and num_beams < 1:
-            raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
+        num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")

@@ -47,6 +47,7 @@ except ImportError as error:
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .generation_vaswani import check_num_beams
 from .serving_config import ServingConfig
 from .text_format import split_text
 
@@ -580,8 +581,7 @@ def load_engine(
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
-    if num_beams is not None and num_beams < 1:
-        raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
+    check_num_beams(num_beams)
     if engine == "torch":
         translator, tokenizer = load_translator(model, device)
         options = {"num_beams": num_beams, "length_penalty": length_penalty}
