@@ -331,6 +331,8 @@ def test_impossible_config_values_name_the_field(values, message, tmp_path):
         ("--max-batch-tokens", "0", "--max-batch-tokens must be at least 1, got 0"),
         ("--batch-limit", "0", "--batch-limit must be at least 1, got 0"),
         ("--threads", "0", "--threads must be at least 1, got 0"),
+        ("--port", "70000", "--port must be a TCP port from 0 (the system chooses) to 65535, got 70000"),
+        ("--port", "-1", "--port must be a TCP port"),
     ],
 )
 def test_impossible_serve_settings_name_the_flag_before_loading_the_model(flag, value, message, tmp_path, capsys):
@@ -444,6 +446,13 @@ def test_a_cuda_device_without_cuda_is_refused_in_one_line(translator_dir, tmp_p
     source.write_text("A dog runs.\n")
     status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--device", "cuda")
     assert_one_line_error(status, err, "no CUDA", "--device cpu")
+
+
+def test_a_device_torch_does_not_know_is_refused_in_one_line(translator_dir, tmp_path, capsys):
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    status, _, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--device", "gpu0")
+    assert_one_line_error(status, err, "device 'gpu0' is no torch device", "cuda:0")
 
 
 @pytest.mark.parametrize("size", [5_000, 100], ids=["truncated", "header only"])

@@ -19,7 +19,7 @@ from typing import get_args, get_origin
 
 from .convert import DEFAULT_MAX_POSITIONS
 from .generation_vaswani import check_length_penalty
-from .serving_config import LONG_INPUTS, ServingConfig
+from .serving_config import ENGINES, LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
 
@@ -31,6 +31,12 @@ def _model_option(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+DEVICE_HELP = (
+    "torch device, e.g. cpu or cuda:0 (default: cuda if available); the ctranslate2 engine takes cpu or cuda "
+    "(default: cpu)"
+)
 
 
 def _length_penalty(text: str) -> float:
@@ -63,7 +69,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         help="sentences per generate() call (default: 64; 1 when reading a terminal, to answer each line at once)",
     )
     _add_beam_options(parser)
-    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument(
         "--num-workers",
         type=int,
@@ -84,8 +90,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
-        choices=["torch", "ctranslate2"],
-        default="torch",
+        choices=ENGINES,
+        default=ENGINES[0],
         help="torch: the model's generate(); ctranslate2: its CTranslate2 export (nearly always the same "
         "translations), made on first use in MODEL/ctranslate2/ (default: torch)",
     )
@@ -231,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
     _add_engine_options(serve)
     _add_beam_options(serve)
-    serve.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    serve.add_argument("--device", default=None, help=DEVICE_HELP)
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
     _add_config_options(serve, ServingConfig, {})

@@ -48,7 +48,7 @@ except ImportError as error:
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation_vaswani import check_num_beams
-from .serving_config import ServingConfig
+from .serving_config import ENGINES, ServingConfig
 from .text_format import split_text
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("torch", "ctranslate2")
 # English names of the languages a model card may list (ISO 639-1); others are shown by their code.
 LANGUAGE_NAMES = {
     "ar": "Arabic", "bg": "Bulgarian", "cs": "Czech", "da": "Danish", "de": "German", "el": "Greek",

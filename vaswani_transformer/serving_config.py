@@ -12,6 +12,8 @@ from .training_config import option
 
 # What to do with a sentence over the model's limit, for `serve` and `translate` alike.
 LONG_INPUTS = ("truncate", "error")
+# What translates, for `serve` and `translate` alike: the model's generate(), or its CTranslate2 export.
+ENGINES = ("torch", "ctranslate2")
 # The sections of `serve --help`.
 BATCHING = "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
 LIMITS = "limits of one request (HTTP 400 beyond them)"
@@ -25,7 +27,8 @@ class ServingConfig:
     prints. The model, its engine and its languages are `serve`'s other arguments.
 
     Raises:
-        ValueError: a negative wait, a budget, limit or thread count below 1, or an unknown `long_inputs`.
+        ValueError: a negative wait, a budget, limit or thread count below 1, a port outside 0 to 65535, or an
+            unknown `long_inputs`.
     """
 
     host: str = option("127.0.0.1", help="address to listen on", group="server")
@@ -54,6 +57,8 @@ class ServingConfig:
     )
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be a TCP port from 0 (the system chooses) to 65535, got {self.port}.")
         if self.batch_wait_ms < 0:
             raise ValueError(f"--batch-wait-ms must be 0 or more milliseconds, got {self.batch_wait_ms}.")
         for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit"):

@@ -41,11 +41,15 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
     Raises:
         OSError: the directory does not exist or holds no tokenizer, its weights file is damaged,
             or neither a directory nor the Hub holds such a model.
-        ValueError: `device` is CUDA on a machine without it, `config.json` holds impossible values
+        ValueError: `device` is no torch device or CUDA on a machine without it, `config.json` holds impossible values
             (from `VaswaniConfig`), or the tokenizer does not match the model (see `check_tokenizer_matches`).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is no torch device; give e.g. cpu, cuda or cuda:0.") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device {device!r}: this PyTorch sees no CUDA GPU; use --device cpu, or a CUDA build of torch."
         )
