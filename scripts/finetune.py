@@ -26,6 +26,7 @@ import vaswani_transformer  # noqa: F401  (registers the Auto classes)
 from vaswani_transformer.data import load_parallel_corpus
 from vaswani_transformer.hub import save_translator
 from vaswani_transformer.training import avoid_cudnn_attention
+from vaswani_transformer.training_config import TrainingConfig
 from vaswani_transformer.translation import corpus_bleu
 
 
@@ -35,7 +36,7 @@ def build_trainer(
     source_lang: str,
     target_lang: str,
     output_dir: str,
-    max_length: int = 256,
+    max_length: int = TrainingConfig.max_length,
     config_overrides: dict | None = None,
     **training_arguments,
 ) -> Seq2SeqTrainer:

@@ -19,7 +19,7 @@ from typing import get_args, get_origin
 
 from .convert import DEFAULT_MAX_POSITIONS
 from .generation_vaswani import check_length_penalty
-from .serving_config import ENGINES, LONG_INPUTS, ServingConfig
+from .serving_config import BATCH_SIZE, ENGINES, LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
 
@@ -66,7 +66,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         default=None,
-        help="sentences per generate() call (default: 64; 1 when reading a terminal, to answer each line at once)",
+        help=f"sentences per generate() call (default: {BATCH_SIZE}; 1 when reading a terminal, to answer each line "
+        "at once)",
     )
     _add_beam_options(parser)
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
@@ -81,7 +82,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long-inputs",
         choices=LONG_INPUTS,
-        default="truncate",
+        default=LONG_INPUTS[0],
         help="sentences longer than the model's limit (its tokenizer's model_max_length, in tokens): truncate them "
         "with one warning, or stop with an error (default: truncate)",
     )
@@ -266,7 +267,7 @@ def _batch_size(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         return args.batch_size
     interactive = getattr(args, "input", None) == "-" and sys.stdin.isatty()
-    return 1 if interactive else 64
+    return 1 if interactive else BATCH_SIZE
 
 
 def _generate_kwargs(args: argparse.Namespace) -> dict:

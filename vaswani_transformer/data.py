@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .training_config import TrainingConfig
+
 logger = logging.getLogger(__name__)
 
 # Files of a local `datasets` folder (what `load_dataset(directory)` reads).
@@ -196,7 +198,7 @@ def tokenize_corpus(
     tokenizer: PreTrainedTokenizerBase,
     source_lang: str,
     target_lang: str,
-    max_length: int = 256,
+    max_length: int = TrainingConfig.max_length,
     num_proc: int | None = None,
 ) -> datasets.DatasetDict:
     """Tokenize every split with `datasets.map`; drop training pairs that are empty or too long.

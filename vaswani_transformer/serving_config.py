@@ -12,6 +12,8 @@ from .training_config import option
 
 # What to do with a sentence over the model's limit, for `serve` and `translate` alike.
 LONG_INPUTS = ("truncate", "error")
+# Sentences per generate() call where the caller does not say (`translate`, the library's translate(), `serve`).
+BATCH_SIZE = 64
 # What translates, for `serve` and `translate` alike: the model's generate(), or its CTranslate2 export.
 ENGINES = ("torch", "ctranslate2")
 # The sections of `serve --help`.
@@ -46,7 +48,7 @@ class ServingConfig:
         5.0, help="after the first waiting request, collect others this many milliseconds", group=BATCHING
     )
     max_batch_tokens: int = option(4096, help="source tokens per generate() call", group=BATCHING)
-    max_batch_sentences: int = option(64, help="sentences per generate() call", group=BATCHING)
+    max_batch_sentences: int = option(BATCH_SIZE, help="sentences per generate() call", group=BATCHING)
     char_limit: int = option(5000, help="characters of q, all texts together", group=LIMITS)
     batch_limit: int = option(64, help="texts in a list q", group=LIMITS)
     long_inputs: str = option(

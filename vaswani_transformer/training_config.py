@@ -74,7 +74,9 @@ class TrainingConfig:
         None, help="an existing tokenizer's directory; by default a BPE one is trained", group="model"
     )
     vocab_size: int = option(
-        37000, help="shared BPE vocabulary, in tokens (§5.1: about 37,000 for WMT14 En-De)", group="model"
+        VaswaniConfig.vocab_size,
+        help="shared BPE vocabulary, in tokens (§5.1: about 37,000 for WMT14 En-De)",
+        group="model",
     )
     max_length: int = option(256, help="longest training sentence, in tokens; longer pairs are left out")
     max_tokens: int = option(4096, help="padded tokens per batch, per side and device (§5.1)")

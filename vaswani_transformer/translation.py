@@ -25,7 +25,7 @@ from transformers import (
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from .export import CTranslate2Engine
-from .serving_config import LONG_INPUTS
+from .serving_config import BATCH_SIZE, LONG_INPUTS
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 logger = logging.getLogger(__name__)
@@ -316,9 +316,9 @@ def translate(
     model: PreTrainedModel | CTranslate2Engine,
     tokenizer: PreTrainedTokenizerBase,
     sentences: list[str],
-    batch_size: int = 64,
+    batch_size: int = BATCH_SIZE,
     progress: bool = False,
-    long_inputs: str = "truncate",
+    long_inputs: str = LONG_INPUTS[0],
     num_workers: int = 1,
     **generate_kwargs,
 ) -> list[str]:
@@ -361,8 +361,8 @@ def translate_stream(
     model: PreTrainedModel | CTranslate2Engine,
     tokenizer: PreTrainedTokenizerBase,
     lines: Iterable[str],
-    batch_size: int = 64,
-    long_inputs: str = "truncate",
+    batch_size: int = BATCH_SIZE,
+    long_inputs: str = LONG_INPUTS[0],
     num_workers: int = 1,
     **generate_kwargs,
 ) -> Iterator[str]:
@@ -422,7 +422,7 @@ def validation_bleu(
     """sacreBLEU (cased, 13a) of the model's beam-search translations of `sources` (§6.1 decoding).
 
     Args:
-        model: the unwrapped model; it translates 64 sentences per `generate` call with its generation
+        model: the unwrapped model; it translates `BATCH_SIZE` sentences per `generate` call with its generation
             config (beam 4, length penalty 0.6), and is left in training mode.
         tokenizer: the run's tokenizer.
         sources, references: aligned sentences, one string each.
@@ -435,7 +435,7 @@ def validation_bleu(
     """
     model.eval()
     try:
-        hypotheses = translate(model, tokenizer, sources, 64)
+        hypotheses = translate(model, tokenizer, sources, BATCH_SIZE)
     finally:  # a failed validation must not leave the run training without dropout
         model.train()
     return round(corpus_bleu(hypotheses, references)["score"], 2)
@@ -448,7 +448,7 @@ def choose_decoding(
     references: list[str],
     num_beams: Sequence[int],
     length_penalties: Sequence[float],
-    batch_size: int = 64,
+    batch_size: int = BATCH_SIZE,
 ) -> dict:
     """Choose the beam size and length penalty by BLEU on a development set, as §6.1 chose 4 and 0.6.
 
