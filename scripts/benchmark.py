@@ -206,12 +206,13 @@ def machine(device: str) -> dict:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     try:
         ctranslate2_version = version("ctranslate2")
     except PackageNotFoundError:  # a run of the PyTorch engines alone
         ctranslate2_version = None
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     return {
         "cpu": cpu or platform.processor(),
         # The vector extensions decide which kernels are fast: a speed-up on one set is not one on another.

@@ -32,8 +32,6 @@ import argparse
 import http.client
 import itertools
 import json
-import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -43,7 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmark import commit_measured  # scripts/benchmark.py: this folder is on sys.path
+from benchmark import commit_measured, cpu_times  # scripts/benchmark.py: this folder is on sys.path
+from benchmark import machine as benchmark_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -211,35 +210,12 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dic
     }
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(steal, total) CPU time in clock ticks since boot, from /proc/stat; None where there is none."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
-
-
 def machine() -> dict:
-    """CPU model and vector extensions, cores, library versions and the commit, for the report."""
+    """The machine as `benchmark.machine` reports it (CPU model and vector extensions, cores, library versions),
+    with PyTorch's thread count and the commit."""
     import torch
-    import transformers
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    lines = cpuinfo.splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return {
-        "cpu": cpu or platform.processor(),
-        # The vector extensions decide which kernels are fast: a number on one set says little of another.
-        "cpu_vector_extensions": sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "commit": commit_measured(),  # "-dirty" when tracked files had uncommitted changes
-    }
+    return {**benchmark_machine("cpu"), "torch_threads": torch.get_num_threads(), "commit": commit_measured()}
 
 
 def main(argv: list[str] | None = None) -> int:

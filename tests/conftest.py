@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ from vaswani_transformer.training import TrainingConfig  # noqa: E402
 from vaswani_transformer.translation import _Translator, can_fork_workers  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
+# The mini model and corpus of the fault campaign (scripts/fault_campaign.py), for training tests that take seconds.
+sys.path.insert(0, str(REPOSITORY / "scripts"))
+from fault_campaign import MINI_MODEL, make_corpus  # noqa: E402
 
 
 def _multi30k_candidates() -> list[Path]:
@@ -106,19 +110,10 @@ def read_log(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "training_log.jsonl").read_text().splitlines()]
 
 
-# The model of `mini_run`: one layer each side, for training tests that take seconds.
-MINI_MODEL = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
-
-
 @pytest.fixture(scope="session")
 def mini_corpus(multi30k_dir, tmp_path_factory) -> Path:
     """The first 400 training and 100 validation pairs of Multi30k."""
-    corpus = tmp_path_factory.mktemp("mini")
-    for split, count in (("train", 400), ("val", 100)):
-        for lang in ("en", "de"):
-            lines = (multi30k_dir / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:count]
-            (corpus / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return corpus
+    return make_corpus(multi30k_dir, tmp_path_factory.mktemp("mini"), 400)
 
 
 def mini_run(corpus: Path, output_dir: Path, **overrides) -> TrainingConfig:
