@@ -6,8 +6,8 @@
 # DATA_DIR holds train.<lang>, val.<lang> and test*.<lang> files (default: ../shared/data/multi30k).
 # It is the Multi30k recipe (scripts/recipes/multi30k.sh: Transformer-tiny, shared 8,000-token BPE)
 # with TRAIN_MINUTES (default 20) of training, so that the whole job fits in 25 minutes on 2 cores,
-# the `tiny` preset's d_ff of 256, whose steps are a fifth faster than the recipe's 512,
-# batches of 2,048 tokens (on an AVX2-only CPU about twice the steps a minute of 4,096-token ones, and
+# the `tiny` preset's d_ff of 256, whose steps are faster than the recipe's 512,
+# batches of 2,048 tokens (on an AVX2-only CPU far more steps a minute than 4,096-token ones, and
 # more tokens a second: a slow machine makes too few updates in 20 minutes with larger batches;
 # docs/training.md, "The main job on an AVX2-only CPU"),
 # with no dropout (Table 3, row D's variation) and a peak learning rate of 4.9e-3 (Eq. 3 scaled by

@@ -163,9 +163,9 @@ class CTranslate2Engine:
     counting `</s>`, as our beam search ranks them: both search by the beams' log-probabilities, stop
     a sentence once `num_beams` hypotheses have ended (`early_stopping=True`) and apply the penalty
     only to finished ones. With "hf", CTranslate2's own score / |Y| ** alpha is transformers'. The
-    two searches still differ in details (which candidates may end at a step, ties): on the main
-    job's model 982 of the 1,000 test_2016_flickr sentences come out as `generate()` gives them (990
-    with "hf"). The output is at most the batch's longest source + `max_length_b` (50) tokens,
+    two searches still differ in details (which candidates may end at a step, ties), so a few
+    sentences in a hundred may come out otherwise (docs/serving.md counts them on Multi30k). The
+    output is at most the batch's longest source + `max_length_b` (50) tokens,
     where `generate()` limits each sentence by its own source, and sources and outputs at most the
     export's `max_positions` (recorded beside it; 1,024 for exports that predate the record).
 

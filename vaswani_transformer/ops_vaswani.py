@@ -91,8 +91,8 @@ def onednn_min_product() -> float:
     """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU.
 
     For the projections of §3.2.2, §3.3 and §3.4 (`linear`). A oneDNN call costs more than an MKL one (about
-    10 us); its multiply-adds ran 2 to 2.7 times as fast as MKL's on one AMD processor with AVX-512 and about
-    1.1 times on another (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
+    10 us); how much faster its multiply-adds are than MKL's depends on the processor, from several times to not
+    at all (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
     is measured, once per process, when the first product of at least 2^18 multiply-adds comes, with the
     threads PyTorch uses then: each library's time per call and per multiply-add, from one small and one
     large product (about 20 ms in all), give the size at which their times cross, rounded to a power of two
@@ -312,9 +312,9 @@ def eager_attention_is_faster(
         True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs; on
         CUDA, without gradients, for a decoding step in float16 or bfloat16 while cuDNN's attention is
         enabled (PyTorch's default; not after `training.avoid_cudnn_attention` has turned it off),
-        with a mask, in encoder-decoder attention, or for one query. Measured on an H200 only: on a
-        GPU where PyTorch prefers another kernel, Eq. 1 is spelled out there too, though no plan
-        stalls it.
+        with a mask, in encoder-decoder attention, or for one query. The CUDA rule was measured on one
+        kind of GPU (docs/gpu.md): on a GPU where PyTorch prefers another kernel, Eq. 1 is spelled out
+        there too, though no plan stalls it.
     """
     maskable = mask is not None or not is_causal
     if query.device.type == "cuda":
@@ -359,9 +359,9 @@ def float32_attention_is_faster(dtype: torch.dtype) -> bool:
     """Whether attention (§3.2.1, Eq. 1) trains faster in float32 than in `dtype` on this CPU.
 
     Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass
-    on a Zen 4 ran 1.5 to 4 times slower than in float32 (docs/performance.md, "Mixed precision on
-    CPUs"). Where float32 is faster, `MultiHeadAttention` computes attention in float32 under CPU
-    autocast (`attention_in_float32`), as autocast keeps softmax and layer norms in float32, and the
+    can take several times float32's on a CPU (docs/performance.md, "Mixed precision on CPUs"). Where
+    float32 is faster, `MultiHeadAttention` computes attention in float32 under CPU autocast
+    (`attention_in_float32`), as autocast keeps softmax and layer norms in float32, and the
     projections still run in `dtype`. Measured once per process and dtype: the kernel's forward and
     backward at a training size (16 sentences x 4 heads x 32 positions x 32 dimensions), in both
     dtypes, best of 5 each (about 30 ms in all).
