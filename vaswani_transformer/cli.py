@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `vaswani-transformer` and its subcommands.
 
     The options of `train` are generated from the fields of `TrainingConfig` (their help, type and
-    default); the other subcommands' options are written here.
+    default), and `serve`'s server options from those of `ServingConfig`; the rest are written here.
     """
     parser = argparse.ArgumentParser(
         prog="vaswani-transformer",

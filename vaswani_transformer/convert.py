@@ -154,7 +154,7 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
 
     Raises:
         ValueError: the Marian model has features the paper's architecture cannot express exactly
-            (separate vocabularies, unequal encoder and decoder sizes, an odd d_model).
+            (separate vocabularies, unequal encoder and decoder sizes, an odd d_model, pre-LayerNorm layers).
     """
     config = _config_from_marian(marian_model.config)
     model = VaswaniForConditionalGeneration(config)

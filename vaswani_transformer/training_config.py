@@ -48,12 +48,12 @@ class TrainingConfig:
     they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
 
     Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), a size, budget, learning-rate scale or
-            patience that is not positive, a negative `bleu_sentences`, no checkpoint clock (`save_steps` and
-            `save_minutes` both 0) or a negative one, fewer checkpoints kept than averaged, an unknown
-            `mixed_precision`, a beam size below 1 or a length penalty that is no finite number to choose from, or
-            a `model_overrides` key that is no VaswaniConfig field, is set from the tokenizer, or has an
-            impossible value.
+        ValueError: no budget (neither `max_steps` nor `max_minutes`); a size, budget, learning-rate scale,
+            `peak_tflops` or patience that is not positive; a negative `bleu_sentences`; no checkpoint clock
+            (`save_steps` and `save_minutes` both 0) or a negative one; fewer checkpoints kept than averaged;
+            an unknown `mixed_precision`; a beam size below 1 or a length penalty that is no finite number
+            to choose from; or a `model_overrides` key that is no VaswaniConfig field, is set from the
+            tokenizer, or has an impossible value.
     """
 
     data: str
