@@ -44,6 +44,8 @@ from pathlib import Path
 from benchmark import commit_measured, cpu_times  # scripts/benchmark.py: this folder is on sys.path
 from benchmark import machine as benchmark_machine
 
+from vaswani_transformer.serving_config import ENGINES
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "micro-batching": [],  # the batching options of the command line are added
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-seconds", type=float, default=600, help="time limit of each run, in seconds (default: 600)"
     )
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests before each run (default: 8)")
-    parser.add_argument("--engine", choices=["torch", "ctranslate2"], default="torch", help="serve's --engine")
+    parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="serve's --engine")
     parser.add_argument("--threads", type=int, default=None, help="serve's --threads, both runs (default: torch's)")
     parser.add_argument("--batch-wait-ms", type=float, default=None, help="serve's option for the micro-batching run")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="serve's option for the micro-batching run")
@@ -210,12 +212,14 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dic
     }
 
 
-def machine() -> dict:
-    """The machine as `benchmark.machine` reports it (CPU model and vector extensions, cores, library versions),
-    with PyTorch's thread count and the commit."""
+def machine(engine: str) -> dict:
+    """The machine as `benchmark.machine` reports it (CPU model and vector extensions, cores, library versions,
+    and the GPU where `serve` puts the model by default: the torch engine's on a machine with CUDA), with
+    PyTorch's thread count and the commit."""
     import torch
 
-    return {**benchmark_machine("cpu"), "torch_threads": torch.get_num_threads(), "commit": commit_measured()}
+    device = "cuda" if engine == "torch" and torch.cuda.is_available() else "cpu"
+    return {**benchmark_machine(device), "torch_threads": torch.get_num_threads(), "commit": commit_measured()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_threads": args.threads,
         "sentences": f"{args.data_dir / args.split}.{args.source_lang}",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
+        "machine": machine(args.engine),
         "runs": {},
     }
     with tempfile.TemporaryDirectory(prefix="load_test_") as workdir:

@@ -1,10 +1,10 @@
 """Shared fixtures: the Multi30k corpus from ../shared, a tokenizer trained on it, and one small trained model."""
 
+import importlib.util
 import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +23,12 @@ from vaswani_transformer.training import TrainingConfig  # noqa: E402
 from vaswani_transformer.translation import _Translator, can_fork_workers  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-# The mini model and corpus of the fault campaign (scripts/fault_campaign.py), for training tests that take seconds.
-sys.path.insert(0, str(REPOSITORY / "scripts"))
-from fault_campaign import MINI_MODEL, make_corpus  # noqa: E402
+# The mini model and corpus of the fault campaign (scripts/fault_campaign.py), for training tests that take seconds;
+# loaded by its path, so that scripts/ does not join the import path of the whole session.
+_spec = importlib.util.spec_from_file_location("fault_campaign", REPOSITORY / "scripts" / "fault_campaign.py")
+fault_campaign = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fault_campaign)
+MINI_MODEL, make_corpus = fault_campaign.MINI_MODEL, fault_campaign.make_corpus
 
 
 def _multi30k_candidates() -> list[Path]:

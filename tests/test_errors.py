@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -545,12 +546,14 @@ def test_a_misspelt_model_option_is_one_line_before_the_corpus_is_read(tmp_path,
 
 
 def test_training_with_no_pair_short_enough_is_refused_not_left_waiting(mini_corpus, tmp_path):
-    from conftest import mini_run
-
-    from vaswani_transformer.training import train
-
-    with pytest.raises(ValueError, match=r"^No training batches: 0 of 400 training pairs .* --max-length \(1\)"):
-        train(mini_run(mini_corpus, tmp_path / "run", max_length=1))
+    # In a process of its own with a time limit: a regression would wait forever for a first batch.
+    command = [sys.executable, "-m", "vaswani_transformer.cli", "train", "--data-dir", str(mini_corpus)]
+    command += ["--source-lang", "en", "--target-lang", "de", "--output-dir", str(tmp_path / "run"), "--preset", "tiny"]
+    command += ["--vocab-size", "300", "--max-steps", "5", "--max-length", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert "No training batches: none of the 400 training pairs" in errors[0] and "--max-length (1)" in errors[0]
 
 
 def test_push_without_a_reachable_hub_is_one_line(translator_dir, tmp_path):

@@ -120,10 +120,22 @@ def test_the_engine_reads_and_writes_within_the_position_table_of_its_export(tra
     short = tmp_path / "short"
     assert main(["export-ctranslate2", str(trained_model_dir), str(short), "--max-positions", "12"]) == 0
     engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=short)
-    assert engine.max_positions == 12
+    calls = []
+
+    class Recording:  # CTranslate2's translator, with each call's tokens, options and hypotheses kept
+        def __init__(self, translator):
+            self.translator = translator
+
+        def translate_batch(self, tokens, **options):
+            results = self.translator.translate_batch(tokens, **options)
+            calls.append((tokens, options, [h for result in results for h in result.hypotheses]))
+            return results
+
+    engine.translator = Recording(engine.translator)
     long_source = max(corpus["test_2016_flickr"]["en"][:100], key=len)
     assert len(tokenizer(long_source).input_ids) > 12
-    # A table of 12 positions: the source is cut to 12 tokens and the output stops within 12, where the default
-    # table's 1,024 would have let CTranslate2 read past the table's end.
-    (translation,) = translate(engine, tokenizer, [long_source])
-    assert 0 < len(tokenizer(text_target=translation).input_ids) <= 12
+    translate(engine, tokenizer, [long_source])
+    ((tokens, options, hypotheses),) = calls
+    # A table of 12 positions, where the default's 1,024 would have let CTranslate2 read and write past it.
+    assert max(map(len, tokens)) <= 12 and options["max_input_length"] <= 12
+    assert options["max_decoding_length"] <= 12 and max(map(len, hypotheses)) <= 12

@@ -84,7 +84,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         choices=LONG_INPUTS,
         default=LONG_INPUTS[0],
         help="sentences longer than the model's limit (its tokenizer's model_max_length, in tokens): truncate them "
-        "with one warning, or stop with an error (default: truncate)",
+        f"with one warning, or stop with an error (default: {LONG_INPUTS[0]})",
     )
 
 
@@ -94,7 +94,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         choices=ENGINES,
         default=ENGINES[0],
         help="torch: the model's generate(); ctranslate2: its CTranslate2 export (nearly always the same "
-        "translations), made on first use in MODEL/ctranslate2/ (default: torch)",
+        f"translations), made on first use in MODEL/ctranslate2/ (default: {ENGINES[0]})",
     )
     parser.add_argument(
         "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"

@@ -25,8 +25,8 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 
 import json
 import logging
-import os
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -201,7 +201,7 @@ class CTranslate2Engine:
             length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
         self.length_penalty = check_length_penalty(length_penalty)
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
-        b = generation_config.max_length_b
+        b = getattr(generation_config, "max_length_b", None)
         self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
         # The export's position table bounds sources and outputs alike.
         self.max_positions = _export_max_positions(Path(ct2_dir))
@@ -223,6 +223,7 @@ class CTranslate2Engine:
             num_hypotheses=self.beam_size if self.gnmt else 1,
             return_scores=self.gnmt,
             max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_positions),
+            max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
             max_batch_size=len(tokens),
         )
         for i, result in zip(indices, results, strict=True):
@@ -265,12 +266,15 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     if target.exists() and not exported.is_file() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"{target} exists and holds no CTranslate2 model; give a new or empty --ctranslate2-dir.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Into a private directory first, so that a process that dies half-way leaves no half export behind.
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    export_ctranslate2(local, partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    # Into a private directory first, so that a process that dies half-way leaves no half export behind, and
+    # two exports at once (threads or processes) never write into one.
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        export_ctranslate2(local, partial, force=True)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     logger.info("Exported %s to CTranslate2 in %s", model, target)
     return target
 
@@ -293,8 +297,12 @@ def load_ctranslate2_engine(
 
     Raises:
         ImportError: ctranslate2 is missing.
-        OSError, ValueError: from `ctranslate2_export`; ValueError: a length penalty that is not finite.
+        OSError, ValueError: from `ctranslate2_export`; ValueError: a beam size below 1 or a length penalty
+            that is not finite (refused before any export).
     """
+    check_num_beams(num_beams)
+    if length_penalty is not None:
+        check_length_penalty(length_penalty)
     exported = ctranslate2_export(model, ct2_dir)
     tokenizer = AutoTokenizer.from_pretrained(model)
     generation_config = GenerationConfig.from_pretrained(model)

@@ -90,9 +90,9 @@ def _measured_onednn_min_product() -> float:
 def onednn_min_product() -> float:
     """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU.
 
-    For the projections of §3.2.2, §3.3 and §3.4 (`linear`). A oneDNN call costs more than an MKL one (about
-    10 us); how much faster its multiply-adds are than MKL's depends on the processor, from several times to not
-    at all (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
+    For the projections of §3.2.2, §3.3 and §3.4 (`linear`). A oneDNN call costs more than an MKL one; how
+    much faster its multiply-adds are than MKL's depends on the processor, from several times to not at all
+    (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
     is measured, once per process, when the first product of at least 2^18 multiply-adds comes, with the
     threads PyTorch uses then: each library's time per call and per multiply-add, from one small and one
     large product (about 20 ms in all), give the size at which their times cross, rounded to a power of two

@@ -351,11 +351,17 @@ class TrainingRun:
             tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to
         )
         if len(self.train_batches.batch_sampler) == 0:  # else the endless stream of batches would wait forever
+            kept, processes = len(tokenized["train"]), accelerator.num_processes
+            if kept == 0:
+                raise ValueError(
+                    f"No training batches: none of the {len(corpus['train'])} training pairs is both non-empty and "
+                    f"at most --max-length ({config.max_length}) tokens long on both sides; check the training "
+                    "files for empty lines, or raise --max-length."
+                )
             raise ValueError(
-                f"No training batches: {len(tokenized['train'])} of {len(corpus['train'])} training pairs are not "
-                f"empty and at most --max-length ({config.max_length}) tokens long on both sides, fewer batches than "
-                f"the {accelerator.num_processes} process(es). Check train.{config.source_lang} and "
-                f"train.{config.target_lang} for empty lines, or raise --max-length."
+                f"No training batches for every process: the {kept} training pairs make fewer batches of "
+                f"--max-tokens ({config.max_tokens}) than the {processes} processes; lower --max-tokens or start "
+                "fewer processes."
             )
         self.valid_batches = None
         if "validation" not in tokenized:

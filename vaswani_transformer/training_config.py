@@ -6,7 +6,6 @@ config as `training_config.json`. Defaults are the paper's recipe (§5) wherever
 """
 
 import difflib
-import inspect
 import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -226,7 +225,8 @@ class TrainingConfig:
     def _check_model_overrides(self) -> None:
         # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
         # that nothing reads, and an impossible value would fail only when the model is built.
-        fields = [name for name in inspect.signature(VaswaniConfig.__init__).parameters if name != "self"]
+        fields = [name for name in VaswaniConfig.__annotations__ if name not in TOKENIZER_FIELDS]
+        fields.append("attn_implementation")  # transformers' choice of attention code (eager: Eq. 1 spelled out)
         for key in self.model_overrides:
             if key in TOKENIZER_FIELDS:
                 raise ValueError(
@@ -234,7 +234,7 @@ class TrainingConfig:
                     "(--vocab-size sets the size of the one trained, --tokenizer gives another)."
                 )
             if key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1)
-                hint = f"; did you mean {close[0]}?" if close else f"; the fields are {', '.join(fields)}."
+                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+                hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(fields)}."
                 raise ValueError(f"model_overrides (--model-option): {key} is no VaswaniConfig field{hint}")
         VaswaniConfig.from_preset(self.preset, **self.model_overrides)
