@@ -351,17 +351,16 @@ class TrainingRun:
             tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to
         )
         if len(self.train_batches.batch_sampler) == 0:  # else the endless stream of batches would wait forever
-            kept, processes = len(tokenized["train"]), accelerator.num_processes
-            if kept == 0:
+            if len(tokenized["train"]) == 0:
                 raise ValueError(
                     f"No training batches: none of the {len(corpus['train'])} training pairs is both non-empty and "
                     f"at most --max-length ({config.max_length}) tokens long on both sides; check the training "
                     "files for empty lines, or raise --max-length."
                 )
             raise ValueError(
-                f"No training batches for every process: the {kept} training pairs make fewer batches of "
-                f"--max-tokens ({config.max_tokens}) than the {processes} processes; lower --max-tokens or start "
-                "fewer processes."
+                f"No training batches for every process: the {len(tokenized['train'])} training pairs make fewer "
+                f"batches of --max-tokens ({config.max_tokens}) than the {accelerator.num_processes} processes; "
+                "lower --max-tokens or start fewer processes."
             )
         self.valid_batches = None
         if "validation" not in tokenized:
