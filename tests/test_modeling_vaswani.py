@@ -208,6 +208,27 @@ def test_beams_sharing_one_encoder_row_get_the_logits_of_copied_rows(tokenizer, 
             )
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_decoder_attends_alike_with_the_encoder_mask_it_built_once(tokenizer, test_sentences, attn_implementation):
+    # Beam search builds the encoder-decoder mask once for all its steps and hands it back: for each kind of mask
+    # (boolean for SDPA, additive for eager), the decoder must attend as with the padding mask it came from.
+    model = random_model(tokenizer, seed=4)
+    model.config._attn_implementation = attn_implementation
+    inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")
+    assert not inputs["attention_mask"].all()
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        encoded = model.get_encoder()(**inputs).last_hidden_state
+        built = decoder.encoder_attention_mask(4, encoded, inputs["attention_mask"])
+        assert built.shape == (3, 1, 4, encoded.shape[1])
+        decoder_input_ids = torch.randint(4, len(tokenizer), (3 * 4, 1))
+        outputs = [
+            decoder(decoder_input_ids, encoded, encoder_attention_mask=mask).last_hidden_state
+            for mask in (inputs["attention_mask"], built)
+        ]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
 def test_training_forward_returns_the_loss_and_gradients_of_the_logits_without_the_logits(
     tokenizer, test_sentences, monkeypatch
 ):

@@ -380,8 +380,8 @@ class BeamSearchCacheLayer(DynamicLayer):
     """One decoder layer's masked self-attention keys and values (§3.2.3) during beam search (§6.1).
 
     Each position's keys and values are written once, in the slot of the beam that produced them:
-    buffers laid out `(batch, heads, capacity, num_beams, d_k)`, which grow to twice the length needed
-    when full. `keys` and `values` are `(batch, heads, length * num_beams, d_k)` views of them, every slot
+    buffers laid out `(batch, heads, capacity * num_beams, d_k)`, position-major, which grow to twice the
+    length needed when full. `keys` and `values` are `(batch, heads, length * num_beams, d_k)` views of them, every slot
     of every position of a sentence, to which its beams attend as one query sequence, each masked to its
     own ancestors by `BeamSearchCache.mask`. Reordering the beams thus moves no keys or values, where
     gathering the surviving beams' copies after every step would read and write the whole cache
@@ -404,7 +404,7 @@ class BeamSearchCacheLayer(DynamicLayer):
 
     def _allocate(self, states: torch.Tensor, capacity: int) -> torch.Tensor:
         # states: `(batch, heads, ..., d)`, giving the batch, heads and d of the new buffer
-        return states.new_empty(states.shape[0], states.shape[1], capacity, self.num_beams, states.shape[-1])
+        return states.new_empty(states.shape[0], states.shape[1], capacity * self.num_beams, states.shape[-1])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -416,15 +416,16 @@ class BeamSearchCacheLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.length == self._buffers[0].shape[2]:
+        start, end = self.length * self.num_beams, (self.length + 1) * self.num_beams
+        if end > self._buffers[0].shape[2]:
             grown = tuple(self._allocate(buffer, capacity=2 * self.length) for buffer in self._buffers)
             for new, old in zip(grown, self._buffers, strict=True):
-                new[:, :, : self.length] = old
+                new[:, :, :start] = old
             self._buffers = grown
         for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
-            buffer[:, :, self.length] = states
+            buffer[:, :, start:end] = states
         self.length += 1
-        self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
+        self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -436,7 +437,7 @@ class BeamSearchCacheLayer(DynamicLayer):
         if self.is_initialized:
             indices = indices.to(self.device)
             self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
-            self.keys, self.values = (buffer[:, :, : self.length].flatten(2, 3) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length * self.num_beams] for buffer in self._buffers)
 
     reorder_cache = crop = batch_repeat_interleave = get_mask_sizes = _beam_search_cache_unsupported
 
@@ -638,6 +639,9 @@ class BeamSearch:
         self.encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[:: self.num_beams]
         attention_mask = model_kwargs.get("attention_mask")
         self.attention_mask = attention_mask[:: self.num_beams] if attention_mask is not None else None
+        # The decoder's encoder-decoder attention mask for num_beams rows per sentence: built at the first step that
+        # has them, and again after sentences leave, rather than at every step.
+        self.encoder_mask: torch.Tensor | None = None
 
     def run(self) -> torch.LongTensor:
         """Search until every sentence has num_beams finished hypotheses or the length limit is reached."""
@@ -652,10 +656,16 @@ class BeamSearch:
 
     def _log_probs(self, length: int) -> torch.Tensor:
         # The next token's log-probabilities of every running beam, `(rows, vocab)`, processed.
+        attention_mask = self.attention_mask
+        if attention_mask is not None and self.scores.shape[1] == self.num_beams:
+            if self.encoder_mask is None:
+                decoder = self.model.get_decoder()
+                self.encoder_mask = decoder.encoder_attention_mask(self.num_beams, self.encoder_states, attention_mask)
+            attention_mask = self.encoder_mask
         logits = self.model(
             decoder_input_ids=self.sequences[:, length - 1 : length],
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoder_states),
-            attention_mask=self.attention_mask,
+            attention_mask=attention_mask,
             past_key_values=self.cache,
             use_cache=True,
         ).logits[:, -1]
@@ -707,6 +717,7 @@ class BeamSearch:
             self.active, self.scores, rows, tokens = self.active[kept], self.scores[kept], rows[kept], tokens[kept]
             self.encoder_states = self.encoder_states[kept]
             self.attention_mask = self.attention_mask[kept] if self.attention_mask is not None else None
+            self.encoder_mask = None
             self.cache.cross_attention_cache.reorder_cache(kept)  # the self-attention cache finds `kept` in rows
             self.logits_processor = LogitsProcessorList(
                 p.select(kept) if isinstance(p, SourceLengthLimit) else p for p in self.logits_processor

@@ -121,11 +121,12 @@ def scaled_dot_product_attention(
     """
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        weights = torch.where(attention_mask, weights, torch.finfo(weights.dtype).min)
     elif attention_mask is not None:
         weights = weights + attention_mask
     weights = F.softmax(weights, dim=-1)
-    weights = F.dropout(weights, p=dropout, training=module.training)
+    if module.training and dropout:
+        weights = F.dropout(weights, p=dropout)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
 
@@ -214,7 +215,9 @@ class MultiHeadAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
                 elif isinstance(cache, BeamSearchCache):
-                    attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
+                    attention_mask = cache.mask
+                    if attention_mask.device != key.device:  # layers may sit on several devices
+                        attention_mask = attention_mask.to(key.device)
 
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and eager_attention_is_faster(
@@ -260,7 +263,8 @@ class PositionwiseFeedForward(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`(batch, length, d_model)` -> `(batch, length, d_model)`."""
         hidden_states = self.activation(self.fc1(hidden_states))
-        hidden_states = F.dropout(hidden_states, p=self.activation_dropout, training=self.training)
+        if self.training and self.activation_dropout:
+            hidden_states = F.dropout(hidden_states, p=self.activation_dropout)
         return self.fc2(hidden_states)
 
 
@@ -472,7 +476,7 @@ class VaswaniDecoder(VaswaniStack):
                 one row for `beams` consecutive decoder rows, as beam search gives it.
             attention_mask: `(batch, past_len + target_len)` decoder padding mask, or None.
             encoder_attention_mask: `(batch, source_len)` source padding mask (`batch / beams` rows with
-                the encoder output), or None.
+                the encoder output), one built by `encoder_attention_mask`, or None.
             past_key_values: the cache of earlier steps; created when `use_cache` and None.
             use_cache: return a cache for incremental decoding.
 
@@ -504,13 +508,8 @@ class VaswaniDecoder(VaswaniStack):
                 f"{encoder_hidden_states.shape[0]}: give one encoder row per decoder row, or one per group of "
                 "consecutive decoder rows (the beams of a sentence)."
             )
-        encoder_attention_mask = create_bidirectional_mask(
-            config=self.config,
-            # Queries as cross-attention sees them: the rows that share an encoder row, as one sequence.
-            inputs_embeds=hidden_states.reshape(encoder_hidden_states.shape[0], -1, hidden_states.shape[-1]),
-            attention_mask=encoder_attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-        )
+        queries = hidden_states.shape[0] // encoder_hidden_states.shape[0] * hidden_states.shape[1]
+        encoder_attention_mask = self.encoder_attention_mask(queries, encoder_hidden_states, encoder_attention_mask)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -524,6 +523,32 @@ class VaswaniDecoder(VaswaniStack):
             hidden_states = self.layer_norm(hidden_states)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states, past_key_values=past_key_values
+        )
+
+    def encoder_attention_mask(
+        self, queries: int, encoder_hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The mask of encoder-decoder attention (§3.2.3) in the form the attention implementation takes.
+
+        The rows that share an encoder row (the beams of a sentence) attend to it as one sequence of
+        `queries` positions. Beam search builds the mask once for all its steps and passes it back as
+        `encoder_attention_mask`; transformers' mask builder returns a 4-D mask as it is.
+
+        Args:
+            queries: decoder positions attending to each encoder row (target_len, times its rows).
+            encoder_hidden_states: `(batch, source_len, d_model)`.
+            attention_mask: `(batch, source_len)` source padding mask (1 = token), a mask this method
+                built, or None.
+
+        Returns:
+            A `(batch, 1, queries, source_len)` mask, the 2-D mask, or None where nothing is masked,
+            as `transformers.masking_utils.create_bidirectional_mask` gives for the implementation.
+        """
+        return create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=encoder_hidden_states[:, :1].expand(-1, queries, -1),
+            attention_mask=attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
         )
 
 

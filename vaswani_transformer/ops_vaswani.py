@@ -445,6 +445,8 @@ def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     Raises:
         ValueError: p is outside [0, 1] (from `F.dropout`).
     """
+    if not training and 0.0 <= p <= 1.0:  # what F.dropout returns in evaluation, without a call for each sublayer
+        return x
     dropped = round(p * 2**16)
     # torch.compile cannot trace the in-place draw, and generates its own dropout kernel.
     if not training or x.device.type != "cpu" or not 0 < dropped < 2**16 or torch.compiler.is_compiling():
