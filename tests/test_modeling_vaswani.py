@@ -219,7 +219,7 @@ def test_decoder_attends_alike_with_the_encoder_mask_it_built_once(tokenizer, te
     decoder = model.get_decoder()
     with torch.no_grad():
         encoded = model.get_encoder()(**inputs).last_hidden_state
-        built = decoder.encoder_attention_mask(4, encoded, inputs["attention_mask"])
+        built = decoder.cross_attention_mask(4, encoded, inputs["attention_mask"])
         assert built.shape == (3, 1, 4, encoded.shape[1])
         decoder_input_ids = torch.randint(4, len(tokenizer), (3 * 4, 1))
         outputs = [

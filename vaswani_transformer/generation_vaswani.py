@@ -660,7 +660,7 @@ class BeamSearch:
         if attention_mask is not None and self.scores.shape[1] == self.num_beams:
             if self.encoder_mask is None:
                 decoder = self.model.get_decoder()
-                self.encoder_mask = decoder.encoder_attention_mask(self.num_beams, self.encoder_states, attention_mask)
+                self.encoder_mask = decoder.cross_attention_mask(self.num_beams, self.encoder_states, attention_mask)
             attention_mask = self.encoder_mask
         logits = self.model(
             decoder_input_ids=self.sequences[:, length - 1 : length],

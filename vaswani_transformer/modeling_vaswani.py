@@ -476,7 +476,7 @@ class VaswaniDecoder(VaswaniStack):
                 one row for `beams` consecutive decoder rows, as beam search gives it.
             attention_mask: `(batch, past_len + target_len)` decoder padding mask, or None.
             encoder_attention_mask: `(batch, source_len)` source padding mask (`batch / beams` rows with
-                the encoder output), one built by `encoder_attention_mask`, or None.
+                the encoder output), one built by `cross_attention_mask`, or None.
             past_key_values: the cache of earlier steps; created when `use_cache` and None.
             use_cache: return a cache for incremental decoding.
 
@@ -509,7 +509,7 @@ class VaswaniDecoder(VaswaniStack):
                 "consecutive decoder rows (the beams of a sentence)."
             )
         queries = hidden_states.shape[0] // encoder_hidden_states.shape[0] * hidden_states.shape[1]
-        encoder_attention_mask = self.encoder_attention_mask(queries, encoder_hidden_states, encoder_attention_mask)
+        encoder_attention_mask = self.cross_attention_mask(queries, encoder_hidden_states, encoder_attention_mask)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -525,7 +525,7 @@ class VaswaniDecoder(VaswaniStack):
             last_hidden_state=hidden_states, past_key_values=past_key_values
         )
 
-    def encoder_attention_mask(
+    def cross_attention_mask(
         self, queries: int, encoder_hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The mask of encoder-decoder attention (§3.2.3) in the form the attention implementation takes.
