@@ -28,6 +28,9 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# Decoder inputs for teacher forcing, `<s> y_1 ... y_{n-1}` from labels (§3.1, "shifted right"), -100 read as padding.
+from transformers.models.marian.modeling_marian import shift_tokens_right
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -215,9 +218,7 @@ class MultiHeadAttention(nn.Module):
                 if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
                 elif isinstance(cache, BeamSearchCache):
-                    attention_mask = cache.mask
-                    if attention_mask.device != key.device:  # layers may sit on several devices
-                        attention_mask = attention_mask.to(key.device)
+                    attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
         if implementation == "sdpa" and eager_attention_is_faster(
@@ -528,21 +529,12 @@ class VaswaniDecoder(VaswaniStack):
     def cross_attention_mask(
         self, queries: int, encoder_hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """The mask of encoder-decoder attention (§3.2.3) in the form the attention implementation takes.
+        """Encoder-decoder attention's mask (§3.2.3) for `queries` positions per encoder row, as the attention takes it.
 
-        The rows that share an encoder row (the beams of a sentence) attend to it as one sequence of
-        `queries` positions. Beam search builds the mask once for all its steps and passes it back as
-        `encoder_attention_mask`; transformers' mask builder returns a 4-D mask as it is.
-
-        Args:
-            queries: decoder positions attending to each encoder row (target_len, times its rows).
-            encoder_hidden_states: `(batch, source_len, d_model)`.
-            attention_mask: `(batch, source_len)` source padding mask (1 = token), a mask this method
-                built, or None.
-
-        Returns:
-            A `(batch, 1, queries, source_len)` mask, the 2-D mask, or None where nothing is masked,
-            as `transformers.masking_utils.create_bidirectional_mask` gives for the implementation.
+        The rows sharing an encoder row (a sentence's beams) attend to it as one sequence. `attention_mask` is the
+        `(batch, source_len)` padding mask (1 = token) or None; `encoder_hidden_states` `(batch, source_len, d_model)`.
+        Returns `create_bidirectional_mask`'s: `(batch, 1, queries, source_len)`, the 2-D mask, or None. Beam search
+        builds it once and passes it back as `encoder_attention_mask`, which that builder returns as it is.
         """
         return create_bidirectional_mask(
             config=self.config,
@@ -669,23 +661,6 @@ class VaswaniModel(VaswaniPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-
-
-def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """Decoder inputs for teacher forcing: `<s> y_1 ... y_{n-1}` from labels `y_1 ... y_n` (§3.1, "shifted right").
-
-    Args:
-        labels: `(batch, target_len)` target ids, -100 where ignored (padding).
-        pad_token_id: id that replaces -100.
-        decoder_start_token_id: the first decoder input.
-
-    Returns:
-        `(batch, target_len)` decoder input ids.
-    """
-    shifted = labels.new_empty(labels.shape)
-    shifted[:, 1:] = labels[:, :-1]
-    shifted[:, 0] = decoder_start_token_id
-    return shifted.masked_fill_(shifted == -100, pad_token_id)
 
 
 # The translation head -----------------------------------------------------------------------------
