@@ -57,13 +57,12 @@ def build_trainer(
         The trainer; call `.train()` and `.evaluate()`.
 
     Raises:
-        ValueError: the corpus has no "train" split, or a field of `training_arguments` is invalid.
+        ValueError: the corpus has no "train" split (from `load_parallel_corpus`), or a field of
+            `training_arguments` is invalid.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, **(config_overrides or {}))
     corpus = load_parallel_corpus(data, source_lang, target_lang)
-    if "train" not in corpus:
-        raise ValueError(f"{data} has no train split; fine-tuning needs one (found: {', '.join(corpus)}).")
 
     def tokenize(batch: dict) -> dict:
         return tokenizer(batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=max_length)

@@ -390,6 +390,14 @@ def test_evaluate_refuses_an_output_it_cannot_write_before_loading_the_model(tmp
     assert_one_line_error(status, err, f"Cannot write to {blocker / 'maps'}")
 
 
+def test_translate_without_matplotlib_refuses_attention_maps_before_translating(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    model = tmp_path / "no-model"  # never loaded: the check comes first
+    status, out, err = run_cli(capsys, "translate", "--model", model, "--attention-dir", tmp_path / "maps")
+    assert_one_line_error(status, err, "Plotting needs matplotlib", "pip install 'vaswani-transformer[plot]'")
+    assert out == ""
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
 def test_a_read_only_output_directory_is_refused(tmp_path):
     read_only = tmp_path / "read-only"
@@ -502,6 +510,8 @@ def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines(tmp_pat
     corpus = load_parallel_corpus(tmp_path, "en", "de")
     assert corpus["train"]["en"] == ["one\rstill one", "two", "three"]
     assert corpus["train"]["de"] == ["eins", "zwei", "drei"]
+    # Of a line's carriage returns, only the one of a CRLF ending goes.
+    assert list(iter_lines(io.BytesIO(b"one\r\r\ntwo\r"))) == ["one\r", "two\r"]
 
 
 def test_training_without_a_validation_split_says_what_that_means_once(mini_corpus, tmp_path, caplog):
@@ -526,6 +536,7 @@ def test_training_without_a_validation_split_says_what_that_means_once(mini_corp
         ({"bleu_sentences": -1}, r"bleu_sentences must be 0 \(no BLEU\) or more, got -1"),
         ({"early_stopping_patience": 0}, r"early_stopping_patience must be at least 1 validation, got 0"),
         ({"choose_length_penalty": [0.6, float("nan")]}, r"choose_length_penalty: length_penalty must be a finite"),
+        ({"choose_num_beams": [4, 0]}, r"choose_num_beams: num_beams must be at least 1 \(1 is greedy search\), got 0"),
         ({"model_overrides": {"dropuot": 0.3}}, r"dropuot is no VaswaniConfig field; did you mean dropout\?"),
         ({"model_overrides": {"vocab_size": 100}}, r"cannot set vocab_size: it comes from the tokenizer"),
         ({"model_overrides": {"dropout": 1.5}}, r"VaswaniConfig\.dropout must be a probability"),

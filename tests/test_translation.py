@@ -44,8 +44,8 @@ def test_choose_decoding_refuses_nothing_to_choose_from(trained_model_dir, devel
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     with pytest.raises(ValueError, match="at least one"):
         choose_decoding(model, tokenizer, *development_set, num_beams=[], length_penalties=[0.6])
-    with pytest.raises(ValueError, match="at least 1"):
-        choose_decoding(model, tokenizer, *development_set, num_beams=[0], length_penalties=[0.6])
+    with pytest.raises(ValueError, match="num_beams must be at least 1"):
+        choose_decoding(model, tokenizer, *development_set, num_beams=[4, 0], length_penalties=[0.6])
 
 
 def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training(

@@ -18,7 +18,7 @@ from types import UnionType
 from typing import get_args, get_origin
 
 from .convert import DEFAULT_MAX_POSITIONS
-from .generation_vaswani import check_length_penalty
+from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty
 from .serving_config import BATCH_SIZE, ENGINES, LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
@@ -48,7 +48,10 @@ def _length_penalty(text: str) -> float:
 
 def _add_beam_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--num-beams", type=int, default=None, help="beam size; default: the model's generation config (4, §6.1)"
+        "--num-beams",
+        type=int,
+        default=None,
+        help=f"beam size; default: the model's generation config ({PAPER_NUM_BEAMS}, §6.1)",
     )
     parser.add_argument(
         "--length-penalty",
@@ -56,8 +59,8 @@ def _add_beam_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ALPHA",
         help="beam search's length penalty alpha (§6.1) in the model's form, GNMT's ((5 + |Y|) / 6) ** alpha for "
-        "models trained here; none with --num-beams 1; default: the model's generation config (0.6, or what "
-        "`train --choose-length-penalty` chose on the validation set)",
+        "models trained here; none with --num-beams 1; default: the model's generation config "
+        f"({PAPER_LENGTH_PENALTY}, or what `train --choose-length-penalty` chose on the validation set)",
     )
 
 
@@ -332,6 +335,12 @@ def _translate(args: argparse.Namespace) -> None:
         raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
     if args.attention_dir:
         ensure_writable(args.attention_dir)
+        from .plotting import _pyplot
+
+        try:
+            _pyplot()  # before any line is translated, not after the first
+        except ImportError as error:  # the optional dependency: one line, not a traceback
+            raise OSError(str(error)) from error
     if args.num_workers > 1 and args.input == "-" and sys.stdin.isatty():
         raise ValueError(
             "--num-workers above 1 translates batches ahead, so a typed line would wait for the lines after it: "

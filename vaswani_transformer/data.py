@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # Files of a local `datasets` folder (what `load_dataset(directory)` reads).
 DATASET_SUFFIXES = {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
-# File stems that name the validation split of a corpus directory, besides "validation".
+# File stems that name the validation split of a corpus directory.
 VALIDATION_STEMS = ("validation", "valid", "val", "dev")
 
 
@@ -99,7 +99,9 @@ def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> It
             logger.warning("%s: removed the UTF-8 byte-order mark at its start.", name)
             raw = raw[len(codecs.BOM_UTF8) :]
         try:
-            yield raw.decode("utf-8").rstrip("\r\n")
+            line = raw.decode("utf-8")
+            # A carriage return goes only as part of a CRLF ending: any other belongs to the text.
+            yield line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
         except UnicodeDecodeError as error:
             raise ValueError(
                 f"{name}, line {number}: not valid UTF-8 ({error.reason}, byte {error.start + 1} of the line); "

@@ -34,6 +34,9 @@ from .configuration_vaswani import VaswaniConfig
 # The paper's settings (§6.1) ----------------------------------------------------------------------
 
 
+# "beam search with a beam size of 4 and length penalty alpha = 0.6" (§6.1).
+PAPER_NUM_BEAMS = 4
+PAPER_LENGTH_PENALTY = 0.6
 # "input length + 50" (§6.1): the output's length limit beyond the source's, in tokens.
 PAPER_MAX_LENGTH_B = 50
 
@@ -51,8 +54,8 @@ def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
         A `GenerationConfig` for `VaswaniForConditionalGeneration.generate`.
     """
     return GenerationConfig(
-        num_beams=4,
-        length_penalty=0.6,
+        num_beams=PAPER_NUM_BEAMS,
+        length_penalty=PAPER_LENGTH_PENALTY,
         length_penalty_type="gnmt",
         early_stopping=True,
         max_new_tokens=256,
@@ -397,6 +400,7 @@ class BeamSearchCacheLayer(DynamicLayer):
         self.num_beams = num_beams
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate buffers for 32 positions, shaped after the first `(batch, heads, beams, d_k)` keys and values."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
         self._buffers = tuple(self._allocate(states, capacity=32) for states in (key_states, value_states))

@@ -37,6 +37,12 @@ class TranslationPipeline(Pipeline):
         return {}, generate_kwargs, {}
 
     def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+        """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
+        tokenizer's `model_max_length`.
+
+        Raises:
+            TypeError: `text` is not a string.
+        """
         if not isinstance(text, str):
             raise TypeError(f"TranslationPipeline translates strings, got {type(text).__name__}.")
         return self.tokenizer(text, return_tensors="pt", truncation=True)
@@ -46,5 +52,6 @@ class TranslationPipeline(Pipeline):
         return {"output_ids": output_ids}
 
     def postprocess(self, model_outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
+        """Decode `output_ids`, `(num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`."""
         texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)
         return [{"translation_text": text} for text in texts]

@@ -80,6 +80,7 @@ def plot_attention(
 
     Raises:
         ValueError: `kind` is unknown, `layer` is not a layer of the model, or `output` has no attentions.
+        ImportError: matplotlib is not installed (the `plot` extra).
     """
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"Unknown attention kind {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}.")
@@ -128,6 +129,7 @@ def plot_learning_curve(log_path: str | Path, path: str | Path) -> Path:
 
     Raises:
         ValueError: the log holds no records.
+        ImportError: matplotlib is not installed (the `plot` extra).
     """
     records = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     if not records:

@@ -47,7 +47,7 @@ except ImportError as error:
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .generation_vaswani import check_num_beams
+from .generation_vaswani import check_length_penalty, check_num_beams
 from .serving_config import ENGINES, ServingConfig
 from .text_format import split_text
 
@@ -574,13 +574,15 @@ def load_engine(
     Raises:
         ImportError: ctranslate2 is missing (engine "ctranslate2").
         OSError, ValueError: from `translation.load_translator` or `export.export_ctranslate2`;
-            an unknown engine or a beam size below 1.
+            an unknown engine, a beam size below 1 or a length penalty that is not finite.
     """
     from .translation import load_translator
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
     check_num_beams(num_beams)
+    if length_penalty is not None:
+        check_length_penalty(length_penalty)
     if engine == "torch":
         translator, tokenizer = load_translator(model, device)
         options = {"num_beams": num_beams, "length_penalty": length_penalty}

@@ -753,7 +753,7 @@ class TrainingRun:
         if not (config.choose_num_beams or config.choose_length_penalty):
             return
         if self.valid_batches is None:
-            logger.warning("No validation split: the decoding stays the paper's (beam 4, length penalty 0.6).")
+            logger.warning("No validation split: the decoding stays the paper's (`paper_generation_config`, §6.1).")
             return
         from .translation import choose_decoding
 

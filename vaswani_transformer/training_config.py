@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from .configuration_vaswani import PRESETS, VaswaniConfig
-from .generation_vaswani import check_length_penalty
+from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty, check_num_beams
 
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -119,8 +119,8 @@ class TrainingConfig:
     average_last: int = option(5, help="average this many last checkpoints into the model (§6.1: 5 base, 20 big)")
     choose_num_beams: list[int] = option(
         [],
-        help="after averaging, choose the beam size among these by BLEU on the whole validation set, as §6.1 chose 4 "
-        "(with --choose-length-penalty; none: 4)",
+        help="after averaging, choose the beam size among these by BLEU on the whole validation set, as §6.1 chose "
+        f"{PAPER_NUM_BEAMS} (with --choose-length-penalty; none: {PAPER_NUM_BEAMS})",
         group="decoding",
         nargs="+",
         metavar="N",
@@ -128,7 +128,7 @@ class TrainingConfig:
     choose_length_penalty: list[float] = option(
         [],
         help="after averaging, choose the GNMT length penalty alpha among these by BLEU on the whole validation set, "
-        "as §6.1 chose 0.6 (with --choose-num-beams; none: 0.6)",
+        f"as §6.1 chose {PAPER_LENGTH_PENALTY} (with --choose-num-beams; none: {PAPER_LENGTH_PENALTY})",
         group="decoding",
         nargs="+",
         metavar="ALPHA",
@@ -198,13 +198,15 @@ class TrainingConfig:
                 f"save_steps and save_minutes must not be negative, and one must be positive (0 turns a clock off), "
                 f"got save_steps={self.save_steps} and save_minutes={self.save_minutes}."
             )
-        if any(beams < 1 for beams in self.choose_num_beams):
-            raise ValueError(f"choose_num_beams must be at least 1 (1 is greedy search), got {self.choose_num_beams}.")
-        for alpha in self.choose_length_penalty:
+        for name, values, check in (
+            ("choose_num_beams", self.choose_num_beams, check_num_beams),
+            ("choose_length_penalty", self.choose_length_penalty, check_length_penalty),
+        ):
             try:
-                check_length_penalty(alpha)
+                for value in values:
+                    check(value)
             except ValueError as error:
-                raise ValueError(f"choose_length_penalty: {error}") from None
+                raise ValueError(f"{name}: {error}") from None
         if not (math.isfinite(self.learning_rate_scale) and self.learning_rate_scale > 0):
             raise ValueError(f"learning_rate_scale must be a positive number, got {self.learning_rate_scale}.")
         if self.bleu_sentences < 0:

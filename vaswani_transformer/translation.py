@@ -25,6 +25,7 @@ from transformers import (
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from .export import CTranslate2Engine
+from .generation_vaswani import check_num_beams
 from .serving_config import BATCH_SIZE, LONG_INPUTS
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
@@ -474,8 +475,8 @@ def choose_decoding(
     """
     if not num_beams or not length_penalties:
         raise ValueError("Give at least one beam size and one length penalty to choose from.")
-    if min(num_beams) < 1:
-        raise ValueError(f"Beam sizes must be at least 1 (1 is greedy search), got {list(num_beams)}.")
+    for beams in num_beams:
+        check_num_beams(beams)
     tried = []
     for beams in num_beams:
         # Greedy search (1 beam) has no length penalty: it is tried once, recorded with None.
