@@ -45,16 +45,25 @@ _PREFIX = "step-"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is incomplete, damaged, or not a checkpoint of this package."""
+    """A checkpoint directory is incomplete, damaged, or not a checkpoint of this package.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
 
 
 def checkpoint_step(path: Path) -> int:
-    """The optimizer step of a checkpoint directory named `step-<N>`."""
+    """The optimizer step of a checkpoint directory named `step-<N>`.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
     return int(path.name[len(_PREFIX) :])
 
 
 def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
-    """The complete (renamed into place) checkpoints under `checkpoints_dir`, oldest first."""
+    """The complete (renamed into place) checkpoints under `checkpoints_dir`, oldest first.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
@@ -64,6 +73,8 @@ def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
 
 def remove_leftovers(checkpoints_dir: str | Path) -> list[Path]:
     """Delete what a killed run left: half-written (`.incomplete-*`) and half-deleted (`.deleting-*`) checkpoints.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Returns:
         The removed paths.
@@ -111,6 +122,8 @@ def check_loaded_names(missing: list[str], unexpected: list[str]) -> None:
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load weights written by `model_state` (tied copies of the embedding left out) into `model`.
 
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
     Raises:
         CheckpointError: a weight of the model is missing or the file holds unknown weights.
     """
@@ -138,6 +151,8 @@ def incomplete_dir(checkpoints_dir: Path, step: int, create: bool = True) -> Pat
     """Where every process writes its part of checkpoint `step` before `publish_checkpoint` renames it.
 
     Only one process should `create` it; the others take the path after a barrier.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
     """
     path = checkpoints_dir / f".incomplete-{_PREFIX}{step}"
     if create:
@@ -146,7 +161,10 @@ def incomplete_dir(checkpoints_dir: Path, step: int, create: bool = True) -> Pat
 
 
 def write_rng_state(directory: Path, rank: int) -> None:
-    """Save this process's torch random number generators (CPU, and CUDA when present): dropout draws from them."""
+    """Save this process's torch random number generators (CPU, and CUDA when present): dropout draws from them.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state.update({f"cuda-{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -155,6 +173,8 @@ def write_rng_state(directory: Path, rank: int) -> None:
 
 def write_optimizer_partition(directory: Path, rank: int, state: dict) -> None:
     """Save this process's partition of a ZeRO optimizer (DeepSpeed) as `optimizer-<rank>.pt`.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Args:
         directory: from `incomplete_dir`; before the main process calls `write_main_state`.
@@ -171,6 +191,8 @@ def write_main_state(
     trainer_state: dict,
 ) -> None:
     """Write the weights, the optimizer/scheduler/scaler state and `trainer_state.json` (last, with file checksums).
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Args:
         directory: from `incomplete_dir`, after every process wrote its `rng-<rank>.safetensors` (and
@@ -192,6 +214,8 @@ def write_main_state(
 def publish_checkpoint(directory: Path, keep: int, protect: tuple[int, ...] = ()) -> Path:
     """Rename a fully written checkpoint into place, then retire all but the last `keep` (and `protect`ed steps).
 
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
     Returns:
         The path of the published checkpoint, `checkpoints/step-<N>`.
     """
@@ -212,6 +236,8 @@ def publish_checkpoint(directory: Path, keep: int, protect: tuple[int, ...] = ()
 
 def verify_checkpoint(path: Path, world_size: int) -> dict:
     """Check that a checkpoint is complete and undamaged before anything is loaded from it.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Args:
         path: a `step-<N>` directory.
@@ -248,6 +274,8 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
 def latest_good_checkpoint(checkpoints_dir: Path, world_size: int) -> tuple[Path | None, dict | None]:
     """The newest checkpoint, verified (see `verify_checkpoint`); (None, None) when there is none.
 
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
     Raises:
         CheckpointError: the newest checkpoint is damaged; the message names the newest good one,
             so that the user can remove the damaged one and resume from there.
@@ -279,6 +307,8 @@ def latest_good_checkpoint(checkpoints_dir: Path, world_size: int) -> tuple[Path
 def load_optimizer_state(path: Path, rank: int | None = None) -> dict:
     """Read `optimizer.pt` (or `optimizer-<rank>.pt`) without executing pickled code (`torch.load(weights_only=True)`).
 
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
     Raises:
         CheckpointError: the file holds anything but tensors and plain data, e.g. a crafted pickle.
     """
@@ -295,6 +325,8 @@ def load_optimizer_state(path: Path, rank: int | None = None) -> dict:
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Read a checkpoint's `model.safetensors` (safetensors holds tensors only: nothing in it can run).
 
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
     Raises:
         CheckpointError: the file is not a valid safetensors file.
     """
@@ -305,7 +337,10 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def restore_rng_state(path: Path, rank: int) -> None:
-    """Restore this process's random number generators from `rng-<rank>.safetensors`."""
+    """Restore this process's random number generators from `rng-<rank>.safetensors`.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
     state = load_file(path / f"rng-{rank}.safetensors")
     torch.set_rng_state(state["cpu"])
     cuda = [state[f"cuda-{i}"] for i in range(torch.cuda.device_count()) if f"cuda-{i}" in state]

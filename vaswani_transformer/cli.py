@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     The options of `train` are generated from the fields of `TrainingConfig` (their help, type and
     default), and `serve`'s server options from those of `ServingConfig`; the rest are written here.
+
+    See README.md, "Command line".
     """
     parser = argparse.ArgumentParser(
         prog="vaswani-transformer",
@@ -437,6 +439,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vaswani-transformer` console script.
+
+    See README.md, "Command line".
 
     Args:
         argv: the arguments after the program name; default: `sys.argv[1:]`.

@@ -146,6 +146,8 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
     config, the same beam search output. See the module docstring for how each of Marian's
     departures from the paper is carried over.
 
+    See docs/training.md, "Importing Marian (OPUS-MT) models".
+
     Args:
         marian_model: a `MarianMTModel` with shared source/target embeddings.
 
@@ -182,6 +184,8 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
 
 def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, paper_decoding: bool = False) -> Path:
     """`vaswani-transformer convert-marian`: convert a saved Marian model directory and keep its tokenizer.
+
+    See docs/training.md, "Importing Marian (OPUS-MT) models".
 
     Args:
         source_dir: a directory written by `MarianMTModel.save_pretrained` (an OPUS-MT download, say).

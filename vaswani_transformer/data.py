@@ -70,6 +70,8 @@ def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) ->
     a UTF-8 byte-order mark at the start is removed, with one warning. A missing file is reported at
     once, but the file is opened only when the first line is asked for, and closed after the last.
 
+    See docs/robustness.md, "Bad input".
+
     Args:
         source: a path, or a binary stream such as `sys.stdin.buffer`.
         name: what error messages call the source (default: the path, or the stream's name).
@@ -117,6 +119,8 @@ def load_parallel_corpus(
     files: dict[str, tuple[str, str]] | None = None,
 ) -> datasets.DatasetDict:
     """Load a parallel corpus as a `DatasetDict` with one string column per language.
+
+    See docs/robustness.md, "Bad input".
 
     Args:
         data: a directory holding `train.<lang>`, `val.<lang>` (or `valid`, `dev`, `validation`) and
@@ -189,7 +193,7 @@ def _load_dataset_corpus(
 
 
 def text_batches(corpus: datasets.DatasetDict, languages: list[str], batch_size: int = 1000) -> Iterator[list[str]]:
-    """Batches of training sentences of each language in turn, for `train_tokenizer`."""
+    """Batches of training sentences of each language in turn, for `train_tokenizer` (§5.1)."""
     for lang in languages:
         for batch in corpus["train"].select_columns([lang]).iter(batch_size=batch_size):
             yield batch[lang]
@@ -203,7 +207,7 @@ def tokenize_corpus(
     max_length: int = TrainingConfig.max_length,
     num_proc: int | None = None,
 ) -> datasets.DatasetDict:
-    """Tokenize every split with `datasets.map`; drop training pairs that are empty or too long.
+    """Tokenize every split with `datasets.map` (§5.1); drop training pairs that are empty or too long.
 
     Args:
         corpus: from `load_parallel_corpus`.
@@ -296,6 +300,8 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Draw the order of epoch `epoch` (completed passes over the data) and start after its first `skip` batches.
 
         `skip` counts this process's batches; resuming a run passes the position its checkpoint recorded.
+
+        See docs/training.md, "Training at scale, and runs that survive being killed".
         """
         if epoch != self.epoch:
             self.epoch = epoch
@@ -324,7 +330,10 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         return batches[self.shard_index : usable : self.num_shards]
 
     def padding_efficiency(self) -> float:
-        """Real tokens over all tokens of the padded batches of this epoch, source and target together (<= 1)."""
+        """Real tokens over all tokens of the padded batches of this epoch, source and target together (<= 1).
+
+        See docs/training.md, "Training at scale, and runs that survive being killed".
+        """
         real = sum(int(self.source_lengths[b].sum() + self.target_lengths[b].sum()) for b in self._batches)
         padded = sum(len(b) * int(self.source_lengths[b].max() + self.target_lengths[b].max()) for b in self._batches)
         return real / max(padded, 1)
@@ -338,6 +347,6 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
 
 
 def lengths_of(table: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """The `source_length` and `target_length` columns of a tokenized split as integer arrays."""
+    """The `source_length` and `target_length` columns of a tokenized split as integer arrays (§5.1)."""
     columns = table.select_columns(["source_length", "target_length"]).with_format("numpy")[:]
     return columns["source_length"], columns["target_length"]

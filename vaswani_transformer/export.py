@@ -109,6 +109,8 @@ def export_ctranslate2(
     `ctranslate2.Translator(output_dir).translate_batch(batch_of_token_lists, beam_size=4)`, where
     the tokens are `tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids)` (with `</s>`).
 
+    See docs/performance.md, "Serving with CTranslate2".
+
     Args:
         model_dir: a directory written by `save_pretrained` (model and tokenizer), as `train` writes.
         output_dir: where the CTranslate2 model (`model.bin`, `config.json`, vocabulary) goes.
@@ -208,7 +210,10 @@ class CTranslate2Engine:
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
 
     def translate(self, sentences: list[str]) -> list[str]:
-        """One translation per sentence, in order, from one `translate_batch` call; blank sentences give ""."""
+        """One translation per sentence, in order, from one `translate_batch` call; blank sentences give "".
+
+        See docs/serving.md, "Engines".
+        """
         indices = [i for i, sentence in enumerate(sentences) if sentence.strip()]
         translations = [""] * len(sentences)
         if not indices:
@@ -238,6 +243,8 @@ class CTranslate2Engine:
 
 def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     """The CTranslate2 export of `model`, made on first use and again when the weights are newer.
+
+    See docs/serving.md, "Engines".
 
     Args:
         model: a model directory, or a Hub id (downloaded with `snapshot_download`).

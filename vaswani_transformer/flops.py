@@ -65,6 +65,8 @@ def forward_flops(config: VaswaniConfig, source_lengths: torch.Tensor, target_le
 def training_flops(config: VaswaniConfig, attention_mask: torch.Tensor, labels: torch.Tensor) -> float:
     """FLOPs of forward and backward over one training batch: 3 x `forward_flops` of its real tokens.
 
+    See docs/gpu.md, "Training at the paper's batch".
+
     Args:
         config: the model's sizes.
         attention_mask: `(sentences, source_len)`, 1 on source tokens, 0 on padding.
@@ -81,6 +83,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
     Known: the 16-bit (bfloat16, float16) matrix-unit peaks of the GPUs in `PEAK_16_BIT_FLOPS`
     (datasheet figures); `train --peak-tflops` gives any other device's.
+
+    See docs/gpu.md, "Training at the paper's batch".
 
     Args:
         device: where the model trains.

@@ -134,7 +134,10 @@ class SourceLengthLimit(LogitsProcessor):
         self.eos_token_id = eos_token_id
 
     def select(self, sentences: torch.Tensor) -> "SourceLengthLimit":
-        """The limit for the sentences left in a batch: `sentences` `(kept,)` indexes this batch."""
+        """The limit for the sentences left in a batch: `sentences` `(kept,)` indexes this batch.
+
+        See docs/performance.md, "Finished sentences leave the batch".
+        """
         return SourceLengthLimit(self.limits[sentences.to(self.limits.device)], self.eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
@@ -400,7 +403,10 @@ class BeamSearchCacheLayer(DynamicLayer):
         self.num_beams = num_beams
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate buffers for 32 positions, shaped after the first `(batch, heads, beams, d_k)` keys and values."""
+        """Allocate buffers for 32 positions, shaped after the first `(batch, heads, beams, d_k)` keys and values.
+
+        See docs/performance.md, "The beam-search cache".
+        """
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
         self._buffers = tuple(self._allocate(states, capacity=32) for states in (key_states, value_states))
@@ -414,6 +420,8 @@ class BeamSearchCacheLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one position, `(batch, heads, num_beams, d_k)` keys and values (one per slot, or one for all).
+
+        See docs/performance.md, "The beam-search cache".
 
         Returns:
             All keys and values, `(batch, heads, length * num_beams, d_k)`, position-major.
@@ -433,11 +441,17 @@ class BeamSearchCacheLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        """Positions held (not slots: `keys` has `num_beams` slots per position)."""
+        """Positions held (not slots: `keys` has `num_beams` slots per position).
+
+        See docs/performance.md, "The beam-search cache".
+        """
         return self.length if self.is_initialized else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the sentences `indices` `(new_batch,)`, in that order."""
+        """Keep the sentences `indices` `(new_batch,)`, in that order.
+
+        See docs/performance.md, "Finished sentences leave the batch".
+        """
         if self.is_initialized:
             indices = indices.to(self.device)
             self._buffers = tuple(buffer.index_select(0, indices) for buffer in self._buffers)
@@ -478,13 +492,18 @@ class BeamSearchCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        """Sentences still in the batch."""
+        """Sentences still in the batch.
+
+        See docs/performance.md, "Finished sentences leave the batch".
+        """
         return self.ancestry.shape[0]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one position to layer `layer_idx`: `(batch, heads, beams, d_k)` keys and values.
+
+        See docs/performance.md, "The beam-search cache".
 
         Returns:
             All keys and values of the layer, `(batch, heads, length * num_beams, d_k)`.
@@ -505,6 +524,8 @@ class BeamSearchCache(Cache):
         The rows are numbered sentence by sentence, `beams` each, and those of a sentence stay together.
         A sentence none of whose rows go on leaves the batch: its keys and values go, which copies the
         others' (the only copy besides the buffers' growth).
+
+        See docs/performance.md, "The beam-search cache".
         """
         batch, beams, length = self.ancestry.shape
         sentences = beam_idx[:: self.num_beams] // beams
@@ -534,7 +555,7 @@ class FinishedHypotheses:
         self.is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
 
     def done(self, sentences: torch.Tensor) -> torch.Tensor:
-        """Whether each of `sentences` `(n,)` has num_beams finished hypotheses: `(n,)` bool."""
+        """Whether each of `sentences` `(n,)` has num_beams finished hypotheses (§6.1): `(n,)` bool."""
         return self.is_finished[sentences].all(dim=1)
 
     def add(
@@ -545,7 +566,7 @@ class FinishedHypotheses:
         generated: int,
         ended: torch.Tensor,
     ) -> None:
-        """Merge the hypotheses that `ended`, keeping the best num_beams of each sentence.
+        """Merge the hypotheses that `ended`, keeping the best num_beams of each sentence (§6.1).
 
         Args:
             sentences: `(n,)` the sentences' indices in the batch.
@@ -564,7 +585,7 @@ class FinishedHypotheses:
         self.scores[sentences] = merged_scores
 
     def best(self, count: int, prompt_len: int) -> torch.LongTensor:
-        """The `count` best of each sentence, `(batch * count, output_len)`, padded to the longest of them."""
+        """The `count` best of each sentence, `(batch * count, output_len)`, padded to the longest of them (§6.1)."""
         output_length = prompt_len + int(self.lengths[:, :count].max())
         return self.sequences[:, :count, :output_length].reshape(-1, output_length)
 
@@ -648,7 +669,7 @@ class BeamSearch:
         self.encoder_mask: torch.Tensor | None = None
 
     def run(self) -> torch.LongTensor:
-        """Search until every sentence has num_beams finished hypotheses or the length limit is reached."""
+        """Search until every sentence has num_beams finished hypotheses or the length limit is reached (§6.1)."""
         for length in range(self.prompt_len, self.max_length):
             scores, rows, tokens = self._candidates(length)
             ends = torch.isin(tokens, self.eos) | (length + 1 >= self.max_length)

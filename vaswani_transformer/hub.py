@@ -19,6 +19,8 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     `trust_remote_code=True` loads the directory without this package. The tokenizer is saved without the
     truncation and padding settings that its last call left in its fast backend.
 
+    See README.md, "Using a trained model".
+
     Args:
         model: the model to save.
         tokenizer: its tokenizer (its backend's truncation and padding are switched off; every
@@ -47,6 +49,8 @@ def ensure_writable(path: str | Path, is_file: bool = False) -> Path:
     A directory is proved writable by creating and removing a file in it, which also catches
     read-only file systems and paths that lead through a file; a file needs a writable directory
     and must not be a directory or an existing file that cannot be written.
+
+    See docs/robustness.md, "Bad input".
 
     Args:
         path: an output directory (`train --output-dir`), or with `is_file`, an output file

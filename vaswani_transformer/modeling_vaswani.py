@@ -65,7 +65,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.d_model = d_model
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """Encode positions.
+        """Encode positions (§3.5).
 
         Args:
             positions: integer positions, any shape `(*)`, counted from 0.
@@ -176,7 +176,7 @@ class MultiHeadAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend from `hidden_states` to itself, or to `key_value_states` for cross-attention.
+        """Attend from `hidden_states` to itself, or to `key_value_states` for cross-attention (§3.2.2).
 
         Args:
             hidden_states: queries, `(batch, target_len, d_model)`.
@@ -262,7 +262,7 @@ class PositionwiseFeedForward(nn.Module):
         self.activation_dropout = config.activation_dropout
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`(batch, length, d_model)` -> `(batch, length, d_model)`."""
+        """`(batch, length, d_model)` -> `(batch, length, d_model)` (§3.3, Eq. 2)."""
         hidden_states = self.activation(self.fc1(hidden_states))
         if self.training and self.activation_dropout:
             hidden_states = F.dropout(hidden_states, p=self.activation_dropout)
@@ -285,7 +285,7 @@ class SublayerConnection(nn.Module):
         self.normalize_before = config.normalize_before
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Apply `sublayer`, `(batch, length, d_model)` -> same shape, with its residual connection."""
+        """Apply `sublayer`, `(batch, length, d_model)` -> same shape, with its residual connection (§3.1)."""
         if self.normalize_before:
             return x + residual_dropout(sublayer(self.layer_norm(x)), self.dropout, self.training)
         return self.layer_norm(x + residual_dropout(sublayer(x), self.dropout, self.training))
@@ -302,7 +302,7 @@ class EncoderLayer(GradientCheckpointingLayer):
         self.feed_forward_sublayer = SublayerConnection(config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """`(batch, source_len, d_model)` -> `(batch, source_len, d_model)`; the mask hides padding."""
+        """`(batch, source_len, d_model)` -> `(batch, source_len, d_model)` (§3.1); the mask hides padding."""
         hidden_states = self.self_attn_sublayer(
             hidden_states, lambda x: self.self_attn(x, attention_mask=attention_mask, **kwargs)[0]
         )
@@ -423,7 +423,7 @@ class VaswaniEncoder(VaswaniStack):
     def forward(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs
     ) -> BaseModelOutput:
-        """Encode a source batch.
+        """Encode a source batch (§3.1).
 
         Args:
             input_ids: `(batch, source_len)` token ids.
@@ -468,7 +468,7 @@ class VaswaniDecoder(VaswaniStack):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        """Decode a target batch given the encoder output.
+        """Decode a target batch given the encoder output (§3.1).
 
         Args:
             input_ids: `(batch, target_len)` decoder input ids: the target shifted right behind
@@ -566,7 +566,7 @@ class Embeddings(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, input_ids: torch.Tensor, past_length: int = 0) -> torch.Tensor:
-        """`(batch, length)` token ids -> `(batch, length, d_model)`; positions start at `past_length`.
+        """`(batch, length)` token ids -> `(batch, length, d_model)` (§3.4, §3.5); positions start at `past_length`.
 
         Raises:
             ValueError: learned positions and a sequence longer than `max_position_embeddings`.
@@ -621,7 +621,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
-        """Encode the source (unless `encoder_outputs` is given) and decode the target.
+        """Encode the source (unless `encoder_outputs` is given) and decode the target (§3.1).
 
         Args:
             input_ids: `(batch, source_len)` source token ids.
@@ -709,7 +709,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
-        """Next-token logits for every target position and, given `labels`, the label-smoothed loss.
+        """Next-token logits for every target position and, given `labels`, the label-smoothed loss (§3.4, §5.4).
 
         Args:
             input_ids: `(batch, source_len)` source ids.
@@ -786,7 +786,10 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         )
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, **kwargs) -> nn.Embedding:
-        """`PreTrainedModel.resize_token_embeddings`, also resizing `final_logits_bias` (zeros for new tokens)."""
+        """`PreTrainedModel.resize_token_embeddings`, also resizing `final_logits_bias` (zeros for new tokens).
+
+        See docs/training.md, "Importing Marian (OPUS-MT) models".
+        """
         embeddings = super().resize_token_embeddings(new_num_tokens, **kwargs)
         if self.final_logits_bias is not None:
             old = self.final_logits_bias[:, : embeddings.num_embeddings]
@@ -796,5 +799,8 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape."""
+        """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape.
+
+        See docs/training.md, "Fine-tuning with the Trainer".
+        """
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

@@ -40,6 +40,8 @@ class TranslationPipeline(Pipeline):
         """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
         tokenizer's `model_max_length`.
 
+        See README.md, "Using a trained model".
+
         Raises:
             TypeError: `text` is not a string.
         """
@@ -52,6 +54,9 @@ class TranslationPipeline(Pipeline):
         return {"output_ids": output_ids}
 
     def postprocess(self, model_outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
-        """Decode `output_ids`, `(num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`."""
+        """Decode `output_ids`, `(num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`.
+
+        See README.md, "Using a trained model".
+        """
         texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)
         return [{"translation_text": text} for text in texts]

@@ -68,6 +68,8 @@ def plot_attention(
 
     Rows are the attending positions (queries), columns the attended ones (keys); darker is more weight.
 
+    See docs/training.md, "Table 3 variations and attention maps".
+
     Args:
         output: a model output with attentions (see `attention_maps`).
         source_tokens, target_tokens: labels of the source positions and decoder input positions.
@@ -118,6 +120,8 @@ def plot_attention(
 
 def plot_learning_curve(log_path: str | Path, path: str | Path) -> Path:
     """Draw training and validation loss (nats per target token) and BLEU, when logged, against steps.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Args:
         log_path: a `training_log.jsonl` written by training (one JSON object per evaluation, with

@@ -89,6 +89,8 @@ def model_languages(model: str, source_lang: str | None = None, target_lang: str
     `target_lang`, when given, override what the files say (e.g. for a converted Marian model,
     which has neither file).
 
+    See docs/serving.md, "Serving a translator over HTTP".
+
     Args:
         model: a model directory or Hub id.
         source_lang, target_lang: codes that take precedence over the files.
@@ -149,7 +151,10 @@ class TorchEngine:
         self.source_limit = source_length_limit(model, tokenizer)
 
     def translate(self, sentences: list[str]) -> list[str]:
-        """One translation per sentence, in order, from one `generate()` call (sentences sorted by length)."""
+        """One translation per sentence, in order, from one `generate()` call (sentences sorted by length).
+
+        See docs/serving.md, "Engines".
+        """
         from .translation import translate
 
         # Sources over the limit were refused (or are truncated, as the server was told) before they got here.
@@ -181,6 +186,8 @@ class MicroBatcher:
 
     A request's data travels in its own job on the queue; the batcher holds no other state of a
     request. One request at a time (no micro-batching): `batch_wait_ms=0, max_batch_sentences=1`.
+
+    See docs/serving.md, "Micro-batching".
 
     Args:
         translate_fn: sentences -> their translations, in order (an engine's `translate`).
@@ -220,11 +227,16 @@ class MicroBatcher:
 
     @property
     def sentences_in_flight(self) -> int:
-        """Sentences submitted and not yet answered."""
+        """Sentences submitted and not yet answered.
+
+        See docs/serving.md, "The API".
+        """
         return self._in_flight
 
     def submit(self, sentences: list[str], tokens: int) -> Future:
         """Queue one request's sentences (`tokens`: their source tokens); the future gives their translations.
+
+        See docs/serving.md, "Micro-batching".
 
         Raises:
             RuntimeError: the batcher is closed.
@@ -238,7 +250,10 @@ class MicroBatcher:
         return future
 
     def close(self, timeout: float | None = None) -> None:
-        """Translate every request submitted so far, then stop the worker (waits up to `timeout` seconds)."""
+        """Translate every request submitted so far, then stop the worker (waits up to `timeout` seconds).
+
+        See docs/serving.md, "Shutdown".
+        """
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -304,7 +319,10 @@ class MicroBatcher:
 
 
 class RequestError(ValueError):
-    """A request the server refuses: HTTP `status` (400, or 413) with the body `{"error": message}`."""
+    """A request the server refuses: HTTP `status` (400, or 413) with the body `{"error": message}`.
+
+    See docs/serving.md, "Bad input".
+    """
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -328,13 +346,19 @@ class Limits:
     long_inputs: str
 
     def body_bytes(self) -> int:
-        """The largest body read: `char_limit` characters as escaped JSON (up to 12 bytes each) and the other fields."""
+        """The largest body read: `char_limit` characters as escaped JSON (up to 12 bytes each) and the other fields.
+
+        See docs/serving.md, "Bad input".
+        """
         return 12 * self.char_limit + 65536
 
 
 @dataclass(frozen=True)
 class TranslateRequest:
-    """A checked `POST /translate`: `texts` (one, or the list `q` was), the language pair, `format`, `alternatives`."""
+    """A checked `POST /translate`: `texts` (one, or the list `q` was), the language pair, `format`, `alternatives`.
+
+    See docs/serving.md, "The API".
+    """
 
     texts: list[str]
     is_list: bool
@@ -460,6 +484,8 @@ def create_app(
     info: dict | None = None,
 ) -> FastAPI:
     """The FastAPI app: `POST /translate`, `GET /languages`, `GET /health`, and the page at `/`.
+
+    See docs/serving.md, "The API".
 
     Args:
         batcher: translates the sentences; closed (its queue drained) when the app shuts down.

@@ -28,6 +28,8 @@ class ServingConfig:
     Each field's meaning and unit is its `help` metadata, which `vaswani-transformer serve --help`
     prints. The model, its engine and its languages are `serve`'s other arguments.
 
+    See docs/serving.md, "Serving a translator over HTTP".
+
     Raises:
         ValueError: a negative wait, a budget, limit or thread count below 1, a port outside 0 to 65535, or an
             unknown `long_inputs`.

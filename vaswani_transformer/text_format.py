@@ -59,6 +59,8 @@ def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[s
     are kept, a blank line stays blank. HTML: each text node, its whitespace collapsed; tags,
     attributes, comments, scripts and styles are kept as written.
 
+    See docs/serving.md, "The API".
+
     Args:
         text: one text of `q`.
         text_format: "text" or "html".

@@ -23,6 +23,8 @@ MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
 def option(default: Any = MISSING, help: str = "", group: str = "recipe", **argparse: Any) -> Any:
     """A `TrainingConfig` field with its command-line help, group and any other `argparse` setting.
 
+    See README.md, "Command line".
+
     Args:
         default: the default value; a list or dict default is copied for every config.
         help: the help text, with the unit of the value.

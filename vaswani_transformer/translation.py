@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id, and check that they fit.
 
+    See docs/robustness.md, "Bad input".
+
     Args:
         model_dir: what `from_pretrained` accepts.
         device: "cpu", "cuda", "cuda:1", ...; None picks CUDA when available.
@@ -81,6 +83,8 @@ def check_tokenizer_matches(config: PretrainedConfig, tokenizer: PreTrainedToken
     A tokenizer with more tokens than `config.vocab_size` makes the embedding lookup fail on the
     first id beyond it (on GPUs as a device-side assert); special ids that disagree with the
     config make the model pad, start or stop on the wrong token, silently.
+
+    See docs/robustness.md, "Bad input".
 
     Args:
         config: the model's configuration (`vocab_size`, `pad_token_id`, `bos_token_id`, `eos_token_id`).
@@ -150,6 +154,8 @@ def can_fork_workers() -> bool:
 
     Windows cannot fork; macOS can, but its system libraries are not safe in a forked child (Python
     starts processes there by spawning since 3.8).
+
+    See docs/performance.md, "Translating in worker processes".
     """
     return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
 
@@ -375,6 +381,8 @@ def translate_stream(
     trailing newline; an empty line gives an empty line, and no lines give no output. Arguments and
     errors are those of `translate` (sentence numbers count from the first line of the stream); a
     too-long line raises only when its batch is reached, after the lines before it were yielded.
+
+    See docs/performance.md, "Translating in worker processes".
     """
     _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
@@ -392,6 +400,8 @@ def translate_stream(
 
 def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False, tokenize: str = "13a") -> dict:
     """sacreBLEU corpus BLEU through `evaluate`: cased, detokenized, 13a tokenization by default.
+
+    See README.md, "Command line".
 
     Args:
         hypotheses: one translation per sentence.
