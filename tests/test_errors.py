@@ -446,6 +446,13 @@ def test_a_length_penalty_that_is_no_finite_number_is_refused(translator, transl
         assert "--length-penalty" in error and repr(value) in error and "finite number" in error
 
 
+def test_serving_refuses_a_length_penalty_that_is_no_finite_number_before_loading(tmp_path):
+    serving = pytest.importorskip("vaswani_transformer.serving", reason="needs the serve extra")
+    for engine in serving.ENGINES:
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            serving.load_engine(str(tmp_path / "no-model"), engine, length_penalty=float("nan"))
+
+
 def test_a_cuda_device_without_cuda_is_refused_in_one_line(translator_dir, tmp_path, capsys):
     import torch
 

@@ -26,7 +26,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from vaswani_transformer.cli import main  # noqa: E402
-from vaswani_transformer.serving import ENGINES, MicroBatcher, load_engine, model_languages  # noqa: E402
+from vaswani_transformer.serving import MicroBatcher, model_languages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Screenshots of the page, kept for a person to look at (outputs/ is not committed).
@@ -298,12 +298,6 @@ def test_serve_fails_in_one_line_without_languages_or_on_a_busy_port(trained_mod
         assert main(["serve", str(trained_model_dir), "--port", str(busy.getsockname()[1])]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--port" in error
-
-
-def test_load_engine_refuses_a_length_penalty_that_is_no_finite_number_before_loading(tmp_path):
-    for engine in ENGINES:
-        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
-            load_engine(str(tmp_path / "no-model"), engine, length_penalty=float("nan"))
 
 
 def test_the_page_translates_in_headless_chromium(server, sentences, references, tmp_path):
