@@ -407,6 +407,7 @@ class VaswaniStack(VaswaniPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding this stack reads, `(vocab_size, d_model)`: the model's shared one (§3.4)."""
         return self.embeddings.embed_tokens
 
 
@@ -603,9 +604,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The embedding shared by source and target, `(vocab_size, d_model)` (§3.4)."""
         return self.shared
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Share `value`, `(vocab_size, d_model)`, between source and target again (§3.4)."""
         self.shared = value
         self.encoder.embeddings.embed_tokens = value
         self.decoder.embeddings.embed_tokens = value
@@ -691,9 +694,11 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
+        """The pre-softmax projection, its weight `(vocab_size, d_model)` tied to the embedding (§3.4)."""
         return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
+        """Replace the pre-softmax projection (§3.4), which maps `(*, d_model)` to `(*, vocab_size)`."""
         self.lm_head = value
 
     def forward(
