@@ -407,7 +407,6 @@ class VaswaniStack(VaswaniPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        """The token embedding this stack reads, `(vocab_size, d_model)`: the model's shared one (§3.4)."""
         return self.embeddings.embed_tokens
 
 
@@ -589,7 +588,7 @@ class Embeddings(nn.Module):
 
 
 class VaswaniModel(VaswaniPreTrainedModel):
-    """Encoder and decoder around one embedding matrix shared by source and target (§3.4)."""
+    """Encoder and decoder around one `(vocab_size, d_model)` embedding shared by source and target (§3.4)."""
 
     _tied_weights_keys = {
         "encoder.embeddings.embed_tokens.weight": "shared.weight",
@@ -604,11 +603,9 @@ class VaswaniModel(VaswaniPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        """The embedding shared by source and target, `(vocab_size, d_model)` (§3.4)."""
         return self.shared
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        """Share `value`, `(vocab_size, d_model)`, between source and target again (§3.4)."""
         self.shared = value
         self.encoder.embeddings.embed_tokens = value
         self.decoder.embeddings.embed_tokens = value
@@ -694,11 +691,9 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
-        """The pre-softmax projection, its weight `(vocab_size, d_model)` tied to the embedding (§3.4)."""
         return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
-        """Replace the pre-softmax projection (§3.4), which maps `(*, d_model)` to `(*, vocab_size)`."""
         self.lm_head = value
 
     def forward(
@@ -791,10 +786,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         )
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, **kwargs) -> nn.Embedding:
-        """`PreTrainedModel.resize_token_embeddings`, also resizing `final_logits_bias` (zeros for new tokens).
-
-        See docs/training.md, "Importing Marian (OPUS-MT) models".
-        """
+        """Also resizes `final_logits_bias` `(1, vocab_size)`, which Marian imports have: zeros for new tokens."""
         embeddings = super().resize_token_embeddings(new_num_tokens, **kwargs)
         if self.final_logits_bias is not None:
             old = self.final_logits_bias[:, : embeddings.num_embeddings]
@@ -804,8 +796,5 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Used by `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, same shape.
-
-        See docs/training.md, "Fine-tuning with the Trainer".
-        """
+        """For `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, shifted right (§3.1)."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

@@ -607,9 +607,9 @@ def load_engine(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
     check_num_beams(num_beams)
-    if length_penalty is not None:
-        check_length_penalty(length_penalty)
     if engine == "torch":
+        if length_penalty is not None:  # the CTranslate2 engine checks its own, before any export
+            check_length_penalty(length_penalty)
         translator, tokenizer = load_translator(model, device)
         options = {"num_beams": num_beams, "length_penalty": length_penalty}
         return TorchEngine(translator, tokenizer, {k: v for k, v in options.items() if v is not None}), tokenizer

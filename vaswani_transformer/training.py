@@ -498,8 +498,6 @@ class TrainingRun:
     def after_step(self, step_loss: torch.Tensor) -> bool:
         """Log, validate and checkpoint as the step number and the clock say; True when the run is over.
 
-        See docs/training.md, "Training at scale, and runs that survive being killed".
-
         Args:
             step_loss: the loss `optimizer_step` returned (nats per target token), for the progress bar.
 
