@@ -36,7 +36,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
 from .hub import save_translator
-from .modeling_vaswani import VaswaniForConditionalGeneration
+from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
 WEIGHTS_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.pt"
@@ -86,9 +86,16 @@ def remove_leftovers(checkpoints_dir: str | Path) -> list[Path]:
     return leftovers
 
 
+# The pre-softmax projection and the two embedding tables share the weight `model.shared.weight` (§3.4): the names
+# of the copies, as the model declares them to transformers, matched at the end so that a wrapper's prefix shows them.
+_TIED_COPIES = (
+    *VaswaniForConditionalGeneration._tied_weights_keys,
+    *(f"{VaswaniForConditionalGeneration.base_model_prefix}.{name}" for name in VaswaniModel._tied_weights_keys),
+)
+
+
 def _tied_copy(name: str) -> bool:
-    # The pre-softmax projection and the two embedding tables share the weight `model.shared.weight` (§3.4).
-    return name.endswith(("lm_head.weight", "embeddings.embed_tokens.weight"))
+    return name.endswith(_TIED_COPIES)
 
 
 def model_state(model: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -43,12 +43,6 @@ TOKENIZER_FILES = (
     "tokenizer.json",
 )
 
-TIED_KEYS = (
-    "lm_head.weight",
-    "model.encoder.embeddings.embed_tokens.weight",
-    "model.decoder.embeddings.embed_tokens.weight",
-)
-
 
 def marian_to_interleaved_permutation(d_model: int) -> torch.Tensor:
     """Index p with `interleaved = marian[..., p]`: Marian's sinusoid layout to the paper's (§3.5).
@@ -164,9 +158,10 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
     permutation = marian_to_interleaved_permutation(config.d_model)
 
     state = {}
+    tied = model.all_tied_weights_keys  # copies of model.shared.weight (§3.4)
     for key in model.state_dict():
-        if key in TIED_KEYS:
-            continue  # the same tensor as model.shared.weight
+        if key in tied:
+            continue
         if key == "final_logits_bias":
             state[key] = marian_state["final_logits_bias"]
             continue
@@ -175,7 +170,7 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
             tensor = tensor.index_select(axis, permutation)
         state[key] = tensor
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(key in TIED_KEYS for key in missing), (missing, unexpected)
+    assert not unexpected and all(key in tied for key in missing), (missing, unexpected)
     model.tie_weights()
 
     model.generation_config = copy.deepcopy(marian_model.generation_config)
@@ -277,7 +272,7 @@ def to_marian(
 
     state = {key: torch.zeros_like(tensor) for key, tensor in marian.state_dict().items() if key.endswith("bias")}
     for key, tensor in ours.items():
-        if key in TIED_KEYS:
+        if key in model.all_tied_weights_keys:
             continue
         if key != "final_logits_bias":
             for axis in _residual_axes(key):
