@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from conftest import random_model
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import logits_process
 
@@ -331,3 +331,36 @@ def test_generate_from_four_threads_at_once_gives_each_call_what_it_gives_alone(
             futures = [pool.submit(model.generate, **inputs, **call) for call in calls]
             for future, expected in zip(futures, alone, strict=True):
                 assert torch.equal(sequences(future.result()), expected)
+
+
+def test_a_decoder_prompt_is_continued_as_transformers_continues_it(tokenizer, test_sentences):
+    # A prompt longer than the decoder start needs its keys and values before the first step: transformers' loop.
+    model = random_model(tokenizer, seed=9)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    prompt = model.generate(**inputs, num_beams=4, max_new_tokens=3, min_new_tokens=3)
+    ours = model.generate(**inputs, decoder_input_ids=prompt, max_new_tokens=8)
+    reference = model.generate(**inputs, decoder_input_ids=prompt, max_new_tokens=8, return_dict_in_generate=True)
+    assert prompt.shape[1] == 4 and torch.equal(ours[:, :4], prompt)
+    assert torch.equal(ours, reference.sequences)
+
+
+def test_a_given_generation_config_keeps_the_models_penalty_form(trained_model_dir, test_sentences):
+    # transformers fills what a given config leaves unset from the model's: the paper's GNMT penalty (§6.1) included.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    inputs = AutoTokenizer.from_pretrained(trained_model_dir)(
+        list(test_sentences[0]), padding=True, return_tensors="pt"
+    )
+    settings = dict(max_new_tokens=60, length_penalty=2.0)
+    with_kwargs = model.generate(**inputs, **settings)
+    with_config = model.generate(**inputs, generation_config=GenerationConfig(**settings))
+    hf_penalty = model.generate(**inputs, **settings, length_penalty_type="hf")
+    assert torch.equal(with_config, with_kwargs) and not torch.equal(with_config, hf_penalty)
+
+
+def test_an_explicit_max_length_bounds_the_output_as_in_transformers(tokenizer, test_sentences):
+    # The model's generation config sets max_new_tokens, which transformers would let overrule max_length.
+    model = random_model(tokenizer, seed=11)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    assert model.generate(**inputs, max_length=6).shape == (4, 6)
+    assert model.generate(**inputs, generation_config=GenerationConfig(max_length=6)).shape == (4, 6)
+    assert model.generate(**inputs, max_length=6, num_beams=1).shape == (4, 6)

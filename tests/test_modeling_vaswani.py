@@ -87,6 +87,22 @@ def test_padded_batch_gives_the_same_outputs_as_each_sentence_alone(tokenizer, t
             )
 
 
+def test_left_padding_translates_as_right_padding(tokenizer, test_sentences):
+    # Each sentence's positions start at its first token (§3.5), wherever the padding is.
+    model = random_model(tokenizer, seed=4)
+    right = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+    left = tokenizer.pad({"input_ids": [ids[ids != tokenizer.pad_token_id] for ids in right["input_ids"]]},
+                         padding_side="left", return_tensors="pt")  # fmt: skip
+    assert (left["attention_mask"][:, 0] == 0).any() and (right["attention_mask"][:, -1] == 0).any()
+    with torch.no_grad():
+        encoded = [model.get_encoder()(**batch).last_hidden_state for batch in (right, left)]
+    for i in range(4):
+        torch.testing.assert_close(
+            encoded[0][i][right["attention_mask"][i].bool()], encoded[1][i][left["attention_mask"][i].bool()]
+        )
+    assert torch.equal(model.generate(**left, max_new_tokens=8), model.generate(**right, max_new_tokens=8))
+
+
 def test_unpadded_encoder_is_not_causal(tokenizer, test_sentences):
     # The SDPA path masks causally any module without is_causal=False; changing the last source token
     # must change the encoding of the first.
@@ -167,11 +183,14 @@ def test_sdpa_and_eager_attention_agree_and_eager_returns_every_attention_map(to
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     inputs["decoder_input_ids"] = sdpa.prepare_decoder_input_ids_from_labels(batch["labels"])
     kernel = sdpa(**inputs)  # with gradients enabled, every attention runs PyTorch's fused kernel
+    asked = sdpa(**inputs, output_attentions=True)  # asking for the weights spells Eq. 1 out, the causal mask too
     with torch.no_grad():
         mixed = sdpa(**inputs)  # without, short inputs take the eager path on the CPU
         b = eager(**batch, output_attentions=True)
     torch.testing.assert_close(kernel.logits, b.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed.logits, b.logits, atol=1e-5, rtol=1e-5)
+    for name in ("logits", "encoder_attentions", "decoder_attentions", "cross_attentions"):
+        torch.testing.assert_close(getattr(asked, name), getattr(b, name), atol=1e-5, rtol=1e-5)
     source_len, target_len = batch["input_ids"].shape[1], batch["labels"].shape[1]
     assert len(b.encoder_attentions) == len(b.decoder_attentions) == len(b.cross_attentions) == 2
     assert b.encoder_attentions[0].shape == (3, 4, source_len, source_len)

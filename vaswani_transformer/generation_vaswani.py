@@ -202,8 +202,15 @@ class VaswaniGenerationMixin(GenerationMixin):
             ValueError: `length_penalty_type` is neither "gnmt" nor "hf", `num_beams` is below 1, or
                 `length_penalty` is not a finite number.
         """
-        config = generation_config or self.generation_config
+        # What transformers will decode with: the given config, its unset fields and custom entries from the model's.
+        config = self._prepare_generation_config(generation_config)[0]
         num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
+        given = generation_config or GenerationConfig()
+        max_length = kwargs.pop("max_length", None) or given.max_length
+        if max_length is not None and (kwargs.get("max_new_tokens") or given.max_new_tokens) is None:
+            # The caller's max_length, which the model's max_new_tokens would otherwise overrule.
+            prompt = kwargs.get("decoder_input_ids")
+            kwargs["max_new_tokens"] = max_length - (1 if prompt is None else prompt.shape[1])
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
@@ -277,7 +284,8 @@ def _plain_beam_search(
     # `early_stopping` says, ends on </s> or the length limit, returns only sequences.
     config = generation_config
     return (
-        input_ids.shape[1] < config.max_length
+        input_ids.shape[1] == 1  # the decoder start alone: a longer prompt would need its keys and values first
+        and input_ids.shape[1] < config.max_length
         and not config.do_sample
         and config.early_stopping in (True, False, "never")
         and not config.return_dict_in_generate

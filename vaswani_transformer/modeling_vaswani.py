@@ -105,8 +105,8 @@ def scaled_dot_product_attention(
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1, Eq. 1), spelled out.
 
     This is the "eager" implementation of transformers' attention interface: the only one that
-    returns the attention weights. `attn_implementation="sdpa"` (the default) computes the same
-    with PyTorch's fused kernel.
+    returns the attention weights, so `output_attentions=True` takes it whatever the model's
+    `attn_implementation`. `"sdpa"` (the default) computes the same with PyTorch's fused kernel.
 
     Args:
         module: the calling attention module (gives `training`).
@@ -123,6 +123,9 @@ def scaled_dot_product_attention(
         The output, `(batch, target_len, heads, d_v)`, and the weights, `(batch, heads, target_len, source_len)`.
     """
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None and module.is_causal and query.shape[2] > 1:  # SDPA's mask builder left it to is_causal
+        allowed = torch.ones(weights.shape[-2:], dtype=torch.bool, device=weights.device)
+        attention_mask = allowed.tril(key.shape[2] - query.shape[2])
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         weights = torch.where(attention_mask, weights, torch.finfo(weights.dtype).min)
     elif attention_mask is not None:
@@ -189,7 +192,7 @@ class MultiHeadAttention(nn.Module):
                 and then reuses them.
 
         Returns:
-            The output `(batch, target_len, d_model)` and, with eager attention, the weights
+            The output `(batch, target_len, d_model)` and, with eager attention or `output_attentions`, the weights
             `(batch, heads, target_len, key_len)` (None otherwise); with shared encoder rows,
             `(batch / beams, heads, beams * target_len, key_len)`, and in self-attention with a
             `BeamSearchCache` holding `length` positions, `(batch / beams, heads, beams, length * num_beams)`.
@@ -221,8 +224,9 @@ class MultiHeadAttention(nn.Module):
                     attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
 
         implementation = self.config._attn_implementation
-        if implementation == "sdpa" and eager_attention_is_faster(
-            query, key, attention_mask, self.is_causal, decoding=cache is not None
+        if implementation == "sdpa" and (  # only Eq. 1 spelled out gives the weights
+            kwargs.get("output_attentions")
+            or eager_attention_is_faster(query, key, attention_mask, self.is_causal, decoding=cache is not None)
         ):
             implementation = "eager"
         elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
@@ -433,7 +437,7 @@ class VaswaniEncoder(VaswaniStack):
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(batch, source_len, d_model)`.
         """
-        hidden_states = self.embeddings(input_ids)
+        hidden_states = self.embeddings(input_ids, attention_mask=attention_mask)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
         )
@@ -565,8 +569,12 @@ class Embeddings(nn.Module):
             self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
         self.dropout = config.dropout
 
-    def forward(self, input_ids: torch.Tensor, past_length: int = 0) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, past_length: int = 0, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`(batch, length)` token ids -> `(batch, length, d_model)` (§3.4, §3.5); positions start at `past_length`.
+
+        With `attention_mask` `(batch, length)` and left padding, each row's positions start at its first token.
 
         Raises:
             ValueError: learned positions and a sequence longer than `max_position_embeddings`.
@@ -579,7 +587,10 @@ class Embeddings(nn.Module):
                 f"max_length={self.max_positions})) or use sinusoidal positions."
             )
         embeddings = self.embed_tokens(input_ids) * self.scale
-        positions = torch.arange(past_length, end, device=input_ids.device)
+        if attention_mask is not None and not bool(attention_mask[:, 0].all()):  # a sentence padded on the left
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = torch.arange(past_length, end, device=input_ids.device)
         embeddings = embeddings + self.positional_encoding(positions).to(embeddings.dtype)
         return residual_dropout(embeddings, self.dropout, self.training)
 
