@@ -609,3 +609,18 @@ def test_the_documented_ctranslate2_snippet_loads_the_tokenizer_without_a_prompt
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "custom code" not in result.stdout + result.stderr
+
+
+def test_export_with_force_never_deletes_the_model_or_other_files(translator_dir, tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(translator_dir, model_dir)
+    before = sorted(p.name for p in model_dir.iterdir())
+    for output_dir in (model_dir, tmp_path):  # CTranslate2 would empty the directory it writes to
+        assert main(["export-ctranslate2", str(model_dir), str(output_dir), "--force"]) == 2
+        assert "holds the model" in capsys.readouterr().err
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    assert main(["export-ctranslate2", str(model_dir), str(notes), "--force"]) == 2
+    assert "holds no CTranslate2 model" in capsys.readouterr().err
+    assert sorted(p.name for p in model_dir.iterdir()) == before and (notes / "keep.txt").read_text() == "mine"

@@ -1,11 +1,15 @@
 """Export to CTranslate2: the served model translates Multi30k exactly as our generate() does."""
 
+import os
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from vaswani_transformer.cli import main
-from vaswani_transformer.export import load_ctranslate2_engine
+from vaswani_transformer.export import ctranslate2_export, load_ctranslate2_engine
 from vaswani_transformer.translation import translate
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -58,6 +62,21 @@ def test_ctranslate2_scores_are_our_log_probabilities(trained_model_dir, exporte
 def test_export_refuses_to_overwrite_and_explains(trained_model_dir, exported, capsys):
     assert main(["export-ctranslate2", str(trained_model_dir), str(exported)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_a_cached_export_is_made_again_for_other_weights_of_the_same_size_and_time(trained_model_dir, tmp_path):
+    # A checkpoint copied over the model (`cp -p` keeps its time) must not be translated by the old export.
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model_dir, model_dir)
+    first = ctranslate2_export(str(model_dir))
+    made, exported_bytes = (first / "model.bin").stat().st_mtime_ns, (first / "model.bin").read_bytes()
+    assert ctranslate2_export(str(model_dir)) == first and (first / "model.bin").stat().st_mtime_ns == made  # reused
+    weights = model_dir / "model.safetensors"
+    stat = weights.stat()
+    save_file({name: tensor.flip(0) for name, tensor in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
+    assert (ctranslate2_export(str(model_dir)) / "model.bin").read_bytes() != exported_bytes
 
 
 def test_translate_with_the_ctranslate2_engine_gives_nearly_all_the_torch_translations(

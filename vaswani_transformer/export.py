@@ -23,6 +23,7 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 `generate()` does (the class says how nearly).
 """
 
+import hashlib
 import json
 import logging
 import shutil
@@ -118,7 +119,7 @@ def export_ctranslate2(
             None keeps float32. CTranslate2 can also quantize when loading (`compute_type=`).
         max_positions: longest source or target, in tokens, the exported model can handle; recorded
             beside it (`vaswani_export.json`) for `CTranslate2Engine`.
-        force: overwrite `output_dir` if it exists.
+        force: overwrite `output_dir` if it holds an earlier export.
 
     Returns:
         `output_dir`.
@@ -127,7 +128,8 @@ def export_ctranslate2(
         ImportError: ctranslate2 is not installed.
         OSError: `model_dir` holds no model or no tokenizer.
         ValueError: the model uses an option CTranslate2's Marian format cannot express (see
-            `convert.to_marian`), `output_dir` exists and `force` is False, or `max_positions` is below 1.
+            `convert.to_marian`), `output_dir` exists and `force` is False, `output_dir` is or holds
+            `model_dir` or holds something other than an export, or `max_positions` is below 1.
     """
     import vaswani_transformer  # noqa: F401  (AutoConfig and AutoModelForSeq2SeqLM must know our classes)
 
@@ -136,8 +138,11 @@ def export_ctranslate2(
         raise OSError(f"{model_dir} holds no saved model (no config.json); pass a directory written by `train`.")
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise OSError(f"{model_dir} holds no tokenizer; CTranslate2 needs one: save it with tokenizer.save_pretrained.")
+    if output_dir.resolve() == model_dir.resolve() or output_dir.resolve() in model_dir.resolve().parents:
+        raise ValueError(f"{output_dir} holds the model {model_dir}, which the export would delete; give another one.")
     if output_dir.exists() and not force:
         raise ValueError(f"{output_dir} exists; remove it or pass --force to overwrite it.")
+    _check_holds_no_other_files(output_dir)
     if max_positions < 1:
         raise ValueError(f"max_positions must be a positive number of tokens, got {max_positions}.")
     _, ct2 = _import_ctranslate2()
@@ -145,14 +150,32 @@ def export_ctranslate2(
         _register_loader(max_positions)
         converter = ct2.TransformersConverter(str(model_dir))
         exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
-    (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps({"max_positions": max_positions}) + "\n")
+    settings = {"max_positions": max_positions, "weights_sha256": _weights_digest(model_dir)}
+    (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps(settings) + "\n")
     return exported
 
 
-def _export_max_positions(ct2_dir: Path) -> int:
-    # Exports made before the settings file was written used the default table.
+def _check_holds_no_other_files(ct2_dir: Path) -> None:
+    # An export may replace an earlier export, or an empty directory: nothing else.
+    if ct2_dir.exists() and not (ct2_dir / "model.bin").is_file() and (not ct2_dir.is_dir() or any(ct2_dir.iterdir())):
+        raise ValueError(f"{ct2_dir} exists and holds no CTranslate2 model; give a new or empty directory.")
+
+
+def _weights_digest(model_dir: Path) -> str | None:
+    # What an export was made from, by content: a model directory's weights may be replaced by others of the same
+    # size and time (a copied checkpoint).
+    digest = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        with path.open("rb") as stream:
+            digest.update(hashlib.file_digest(stream, "sha256").digest())
+    return digest.hexdigest() if files else None
+
+
+def _export_settings(ct2_dir: Path) -> dict:
+    # Exports made before the settings file was written used the default table and recorded no weights.
     settings = ct2_dir / EXPORT_SETTINGS_NAME
-    return json.loads(settings.read_text())["max_positions"] if settings.is_file() else DEFAULT_MAX_POSITIONS
+    return json.loads(settings.read_text()) if settings.is_file() else {"max_positions": DEFAULT_MAX_POSITIONS}
 
 
 class CTranslate2Engine:
@@ -206,7 +229,7 @@ class CTranslate2Engine:
         b = getattr(generation_config, "max_length_b", None)
         self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
         # The export's position table bounds sources and outputs alike.
-        self.max_positions = _export_max_positions(Path(ct2_dir))
+        self.max_positions = _export_settings(Path(ct2_dir))["max_positions"]
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
 
     def translate(self, sentences: list[str]) -> list[str]:
@@ -242,7 +265,7 @@ class CTranslate2Engine:
 
 
 def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
-    """The CTranslate2 export of `model`, made on first use and again when the weights are newer.
+    """The CTranslate2 export of `model`, made on first use and again when the model's weights are others.
 
     See docs/serving.md, "Engines".
 
@@ -257,6 +280,9 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
         ImportError: ctranslate2 is not installed.
         ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model (it is
             never overwritten then), or from `export_ctranslate2`.
+
+    An export is reused while the weights it was made from (their SHA-256, recorded beside it) are
+    the model's; exports that predate the record are made again.
         OSError: from `export_ctranslate2`.
     """
     if Path(model).is_dir():
@@ -266,12 +292,9 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
 
         local = Path(snapshot_download(model))
     target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
-    weights = local / "model.safetensors"
-    exported = target / "model.bin"
-    if exported.is_file() and (not weights.is_file() or exported.stat().st_mtime >= weights.stat().st_mtime):
+    if (target / "model.bin").is_file() and _export_settings(target).get("weights_sha256") == _weights_digest(local):
         return target
-    if target.exists() and not exported.is_file() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{target} exists and holds no CTranslate2 model; give a new or empty --ctranslate2-dir.")
+    _check_holds_no_other_files(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Into a private directory first, so that a process that dies half-way leaves no half export behind, and
     # two exports at once (threads or processes) never write into one.
