@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_arguments, mini_run
+from conftest import cli_arguments, mini_run, read_log
 from safetensors.torch import load_file
 
 import vaswani_transformer.modeling_vaswani as modeling
@@ -84,6 +84,34 @@ def test_a_new_run_refuses_to_overwrite_the_checkpoints_of_another(uninterrupted
     assert status == 2
     error = capsys.readouterr().err
     assert "already holds the checkpoints" in error and "--resume" in error and "step-12" in error
+
+
+def test_a_new_run_refuses_to_overwrite_a_trained_model_without_checkpoints(
+    uninterrupted, mini_corpus, tmp_path, capsys
+):
+    finished = tmp_path / "finished"
+    shutil.copytree(uninterrupted, finished)
+    shutil.rmtree(finished / "checkpoints")
+    before = (finished / "model.safetensors").read_bytes()
+    for resume in (False, True):  # with --resume too: there is nothing to resume from
+        assert main(cli_arguments(mini_run(mini_corpus, finished, resume=resume))) == 2
+        assert "already holds a trained model" in capsys.readouterr().err
+    assert (finished / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("budget", [dict(max_steps=None, max_minutes=0.02), dict(eval_steps=2, bleu_sentences=8)])
+def test_a_finished_run_resumed_again_only_finishes(mini_corpus, tmp_path, budget):
+    # The recipes run the same command again after an interruption: once the run's minutes or early stopping's
+    # patience are spent, it trains no further and keeps its checkpoints (the best one among them).
+    config = mini_run(mini_corpus, tmp_path / "run", resume=True, **{"max_steps": 40, **budget})
+    if "bleu_sentences" in budget:
+        config.early_stopping_patience = 2
+    output = train(config)
+    checkpoints, log, model = ckpt.list_checkpoints(output / "checkpoints"), read_log(output), weights(output)
+    assert log[-1]["step"] < 40 if config.max_steps else log[-1]["minutes"] >= 0.02  # ended by the budget asked for
+    train(config)
+    assert ckpt.list_checkpoints(output / "checkpoints") == checkpoints and read_log(output) == log
+    assert_bitwise_equal(weights(output), model)
 
 
 def test_a_damaged_checkpoint_is_detected_before_training_and_the_last_good_one_named(

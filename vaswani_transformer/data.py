@@ -256,7 +256,9 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
     every `num_shards`-th one, starting at `shard_index`; the list is cut to a multiple of
     `num_shards` (at most `num_shards - 1` batches of an epoch are left out) so that every process
     runs the same number of steps. One optimizer step over all processes thus covers the same
-    batches as one process accumulating `num_shards` batches.
+    batches as one process accumulating `num_shards` batches. Without shuffling (evaluation), the
+    largest batches are halved instead, so that every sentence is scored (unless there are fewer
+    sentences than processes).
 
     Args:
         source_lengths, target_lengths: token counts per pair, arrays of shape `(num_pairs,)`.
@@ -326,6 +328,10 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
             start = end
         if self.shuffle:
             rng.shuffle(batches)
+        while not self.shuffle and len(batches) % self.num_shards and any(len(b) > 1 for b in batches):
+            # Evaluation scores every sentence: the largest batches are halved until each process gets as many.
+            largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+            batches[largest : largest + 1] = np.array_split(batches[largest], 2)
         usable = len(batches) - len(batches) % self.num_shards
         return batches[self.shard_index : usable : self.num_shards]
 

@@ -29,6 +29,7 @@ from accelerate.utils import (
 )
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
@@ -191,6 +192,11 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
             f"{output_dir} already holds the checkpoints of a run (latest: {existing[-1].name}). Pass --resume to "
             "continue it, or choose another --output-dir: a new run would overwrite them."
         )
+    if not existing and any((output_dir / name).is_file() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+        raise ValueError(
+            f"{output_dir} already holds a trained model ({SAFE_WEIGHTS_NAME}) and no checkpoints to resume from. "
+            "Choose another --output-dir, or remove the model: a new run would overwrite it."
+        )
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -235,7 +241,7 @@ def train(config: TrainingConfig) -> Path:
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
     run = TrainingRun(config)
-    done = run.state["step"] >= run.max_steps
+    done = run.ended()
     while not done:
         step_loss = run.optimizer_step()
         if step_loss is not None:  # None: a non-finite loss, skipped
@@ -457,6 +463,7 @@ class TrainingRun:
             self._skip_nonfinite(step_loss)
             state["epoch"], state["batches_done"] = micro_batches[-1][:2]
             return None
+        self.learning_rate = self.optimizer.param_groups[0]["lr"]  # this step's rate (Eq. 3), for the log
         self.optimizer.step()
         if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with overflowing gradients
             self.scheduler.step()
@@ -495,6 +502,19 @@ class TrainingRun:
             f"Skipped a batch with loss {float(step_loss)} ({self.state['skipped_nonfinite']} so far)."
         )
 
+    def ended(self) -> bool:
+        """Whether the run resumed at its end: its steps or minutes spent, or early stopping's patience out.
+
+        A run killed after its last checkpoint (while averaging or choosing the decoding) then only finishes.
+        """
+        config, state = self.config, self.state
+        patience = config.early_stopping_patience
+        return (
+            state["step"] >= self.max_steps
+            or state["elapsed_seconds"] >= 60 * (config.max_minutes or math.inf)
+            or (patience is not None and state["validations_without_improvement"] >= patience)
+        )
+
     def after_step(self, step_loss: torch.Tensor) -> bool:
         """Log, validate and checkpoint as the step number and the clock say; True when the run is over.
 
@@ -507,7 +527,7 @@ class TrainingRun:
         """
         config, step = self.config, self.state["step"]
         self.progress.update(1)
-        self.progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+        self.progress.set_postfix(loss=f"{float(step_loss):.3f}", lr=f"{self.learning_rate:.2e}")
         # Deadlines are read on the main process and shared, so that every process stops and saves alike.
         clock = torch.tensor(
             [time.monotonic() - self.started >= 60 * (config.max_minutes or math.inf),
@@ -523,7 +543,7 @@ class TrainingRun:
                 "step": step,
                 "epoch": self.state["epoch"],
                 "train_loss": float(self.interval[0] / self.interval[1]),
-                "learning_rate": self.scheduler.get_last_lr()[0],
+                "learning_rate": self.learning_rate,
                 "minutes": round((now - self.started) / 60, 3),
                 # Over the steps since the last record, on all processes; validation and checkpoints excluded.
                 "target_tokens_per_second": round(float(self.interval[1]) / max(now - self.interval_started, 1e-9)),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # WMT 2014 English-German, the base or big model as the paper trained it (§5, Table 3).
 #
-#   accelerate config   # once: GPUs, mixed precision (bf16 on Ampere and newer)
+#   accelerate config   # once: the GPUs (the precision is the recipe's: bf16 where the GPU has it)
 #   bash scripts/recipes/wmt14_en_de.sh base|big OUTPUT_DIR [NUM_PROCESSES]
 #
 # The paper: 4.5M sentence pairs (datasets' `wmt14`, de-en), a shared BPE vocabulary of about
@@ -28,5 +28,5 @@ accelerate launch --num_processes "$PROCESSES" -m vaswani_transformer.cli train 
     --output-dir "$OUTPUT_DIR" --preset "$SIZE" --vocab-size 37000 --max-length 256 \
     --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" --warmup-steps 4000 --max-steps "$STEPS" \
     --log-steps 100 --eval-steps 1000 --bleu-sentences 500 --save-minutes 10 --save-steps "$STEPS" \
-    --average-last "$AVERAGE" --resume
+    --average-last "$AVERAGE" --mixed-precision auto --resume
 echo "$OUTPUT_DIR"
