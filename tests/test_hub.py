@@ -231,3 +231,23 @@ def test_model_card_is_titled_by_the_model_and_says_truly_how_to_load_it(trained
     assert (metric["type"], metric["value"], metric["config"]) == ("sacrebleu", 31.5, signature)
     # Without a Hub id, the directory names the model.
     assert ModelCard.load(write_model_card(model_dir)).text.lstrip().startswith("# model\n")
+
+
+def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_dataset(trained_model_dir, tmp_path):
+    # `evaluate` on a copy without training_config.json rewrites the card; `serve` still reads the languages there.
+    from huggingface_hub import EvalResult, ModelCard
+
+    from vaswani_transformer.hub import write_model_card
+    from vaswani_transformer.serving import model_languages
+
+    model_dir = shutil.copytree(trained_model_dir, tmp_path / "model")
+    (model_dir / "training_config.json").unlink()
+    before = ModelCard.load(model_dir / "README.md").data
+    result = EvalResult(
+        task_type="translation", dataset_type="multi30k", dataset_name="multi30k", dataset_split="test_2016_flickr",
+        metric_type="sacrebleu", metric_name="sacreBLEU", metric_value=31.5,
+    )  # fmt: skip
+    after = ModelCard.load(write_model_card(model_dir, eval_result=result)).data
+    assert after.language == before.language == ["en", "de"] and after.datasets == before.datasets
+    assert after.eval_results[-1].metric_value == 31.5
+    assert model_languages(str(model_dir)) == ("en", "de")

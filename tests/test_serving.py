@@ -195,7 +195,9 @@ BAD_REQUESTS = [
     ("JSON not an object", b'["A dog.", "en", "de"]', JSON, 400, ["JSON body", "object"]),
     ("nested too deeply", b"[" * 50_000, JSON, 400, ["malformed JSON"]),
     ("not UTF-8", b'{"q": "\xff\xfe\xfa"}', JSON, 400, ["malformed JSON"]),
+    ("half a UTF-16 pair", b'{"q": ["A dog.", "\\ud800"], "source": "en", "target": "de"}', JSON, 400, ["q[1]"]),
     ("form without q", b"source=en&target=de", FORM, 400, ["q"]),
+    ("form q not UTF-8", b"q=A+%FF+man&source=en&target=de", FORM, 400, ["malformed form"]),
     ("body too large", b"x" * 200_000, JSON, 413, ["body", "bytes"]),
 ]
 

@@ -135,7 +135,9 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
     translation`, `library_name`, and a `model-index` of the measured scores), intended use, the
     training recipe (from `training_config.json` and `training_log.jsonl` when present), the
     evaluation results and limitations. Results already in the card are kept; `eval_result`
-    replaces one for the same dataset, split and metric. The template is `model_card_template.md`.
+    replaces one for the same dataset, split and metric. Without `training_config.json` the
+    languages and dataset come from the card already there. The card's text is written anew from
+    the template `model_card_template.md`: notes added by hand do not survive.
 
     Args:
         model_dir: a directory written by `train` or `save_translator`.
@@ -152,17 +154,21 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
     config = json.loads((model_dir / "config.json").read_text())
     training = _read_json(model_dir / "training_config.json")
     card_path = model_dir / "README.md"
-    results = (ModelCard.load(card_path).data.eval_results or []) if card_path.is_file() else []
+    existing = ModelCard.load(card_path).data if card_path.is_file() else ModelCardData()
+    results = existing.eval_results or []
     if eval_result is not None:
         key = (eval_result.dataset_type, eval_result.dataset_split, eval_result.metric_type)
         results = [r for r in results if (r.dataset_type, r.dataset_split, r.metric_type) != key] + [eval_result]
 
-    source_lang, target_lang = training.get("source_lang", "source"), training.get("target_lang", "target")
-    dataset = _dataset_name(training.get("data")) if training else None
+    # Without the run's settings (a converted model, a copy), what the card said: `serve` reads the languages there.
+    languages = [training.get("source_lang"), training.get("target_lang")] if training else existing.language
+    languages = [languages] if isinstance(languages, str) else languages
+    source_lang, target_lang = languages if languages and len(languages) == 2 else ("source", "target")
+    dataset = _dataset_name(training.get("data")) if training else next(iter(existing.datasets or []), None)
     model_name = model_id.split("/")[-1] if model_id else model_dir.resolve().name
     card_data = ModelCardData(
         model_name=model_name,
-        language=[source_lang, target_lang] if training else None,
+        language=languages or None,
         license="apache-2.0",
         library_name="transformers",
         pipeline_tag="translation",

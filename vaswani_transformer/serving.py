@@ -391,9 +391,14 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
     is_list = isinstance(q, list)
     texts = q if is_list else [q]
     for i, text in enumerate(texts):
+        where = f"q[{i}]" if is_list else "q"
         if not isinstance(text, str):
-            where = f"q[{i}]" if is_list else "q"
             raise RequestError(f"Invalid request: {where} must be a string, got {type(text).__name__}")
+        if not text.isascii():
+            try:  # JSON's escapes can spell half of a UTF-16 pair, which is no character
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise RequestError(f"Invalid request: {where} is not Unicode text ({error.reason})") from None
     if not texts or not any(text.strip() for text in texts):
         raise RequestError("Invalid request: q is empty; give the text to translate")
     if len(texts) > limits.batch_limit:
@@ -450,8 +455,8 @@ async def _request_fields(request: Request, max_bytes: int) -> dict:
             raise RequestError(f"Invalid request: the body has more than {max_bytes} bytes", 413)
     if kind == "application/x-www-form-urlencoded":
         try:
-            form = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=10_000)
-        except ValueError as error:  # not UTF-8, or too many fields
+            form = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=10_000, errors="strict")
+        except ValueError as error:  # not UTF-8 (raw or percent-encoded), or too many fields
             raise RequestError(f"Invalid request: malformed form body ({error})") from None
         return fields | {key: values if len(values) > 1 else values[0] for key, values in form.items()}
     if not body.strip():

@@ -33,6 +33,8 @@ class _HTMLText(HTMLParser):
     def handle_data(self, data):
         if self.in_code:  # script and style are code, kept as written (the parser did not unescape them)
             self.parts.append(data)
+        elif self.parts and isinstance(self.parts[-1], int):  # the parser splits text at a bare "<": one node
+            self.texts[-1] += data
         elif not data.strip():  # whitespace between tags is layout
             self.parts.append(data)
         else:
@@ -48,8 +50,8 @@ class _HTMLText(HTMLParser):
     def handle_pi(self, data):
         self.parts.append(f"<?{data}>")
 
-    def unknown_decl(self, data):
-        self.parts.append(f"<![{data}]>")
+    def unknown_decl(self, data):  # a marked section: <![CDATA[...]]>, or e.g. <![if IE]>
+        self.parts.append(f"<![{data}]]>" if data.startswith("CDATA[") else f"<![{data}]>")
 
 
 def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[str]], str]]:

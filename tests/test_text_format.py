@@ -1,0 +1,28 @@
+"""LibreTranslate's text formats (`text_format.py`): the sentences of a text, and the text rebuilt around them."""
+
+import pytest
+
+from vaswani_transformer.text_format import split_text
+
+
+@pytest.mark.parametrize(
+    ("text", "sentences", "rebuilt"),
+    [
+        ("A dog.\r\n\nA cat.", ["A dog.", "", "A cat."], "A DOG.\n\nA CAT."),
+        ('<p class="x">A   dog\n runs.</p>', ["A dog runs."], '<p class="x">A DOG RUNS.</p>'),
+        # A bare "<" is text: the sentence around it stays one sentence, escaped on the way back.
+        (
+            "<p>A man is 2 < 3 meters tall.</p>",
+            ["A man is 2 < 3 meters tall."],
+            "<p>A MAN IS 2 &lt; 3 METERS TALL.</p>",
+        ),
+        ("<p><![CDATA[x < y]]> A dog.</p>", ["A dog."], "<p><![CDATA[x < y]]> A DOG.</p>"),
+        ("<![if IE]><p>Hi</p><![endif]><!-- a note -->", ["Hi"], "<![if IE]><p>HI</p><![endif]><!-- a note -->"),
+        ("<script>if (a < b) {}</script><b>Go</b>", ["Go"], "<script>if (a < b) {}</script><b>GO</b>"),
+    ],
+)
+def test_split_text_gives_the_sentences_and_rebuild_keeps_everything_else(text, sentences, rebuilt):
+    fmt = "html" if text.startswith("<") else "text"
+    found, rebuild = split_text(text, fmt)
+    assert found == sentences
+    assert rebuild([sentence.upper() for sentence in found]) == rebuilt
