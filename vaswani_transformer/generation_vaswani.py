@@ -190,9 +190,12 @@ class VaswaniGenerationMixin(GenerationMixin):
                 `length_penalty_type`, `max_length_a`, ...).
 
         Beam search that returns only the sequences (what `translate`, the pipeline and `evaluate`
-        ask for), with any `early_stopping` (the paper's True, transformers' default False, or
-        "never"), runs `beam_search`, which gives HF's hypotheses faster; anything else (scores,
-        sampling, constraints) runs HF's own loop.
+        ask for), from the decoder start alone, with any `early_stopping` (the paper's True,
+        transformers' default False, or "never"), runs `beam_search`, which gives HF's hypotheses
+        faster; anything else (scores, sampling, constraints, a longer decoder prompt) runs HF's own
+        loop. As in transformers, a given `generation_config` takes what it leaves unset from the
+        model's, and an explicit `max_length` bounds the output even where the model's config sets
+        `max_new_tokens`.
 
         Returns:
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids,
