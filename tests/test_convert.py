@@ -61,23 +61,26 @@ def test_converted_marian_gives_the_same_logits_and_beams(vocab_size, pad, eos, 
     ours = from_marian(marian)
     generator = torch.Generator().manual_seed(1)
     lengths = [9, 4, 7, 1]
-    input_ids = torch.full((4, 9), pad)
-    attention_mask = torch.zeros(4, 9, dtype=torch.long)
+    batches = {side: (torch.full((4, 9), pad), torch.zeros(4, 9, dtype=torch.long)) for side in ("right", "left")}
     for row, length in enumerate(lengths):
         tokens = torch.randint(0, vocab_size, (length,), generator=generator)
         tokens = tokens.masked_fill(tokens == pad, eos)
-        where = slice(0, length) if padding_side == "right" else slice(9 - length, 9)
-        input_ids[row, where], attention_mask[row, where] = tokens, 1
+        for side, (input_ids, attention_mask) in batches.items():
+            where = slice(0, length) if side == "right" else slice(9 - length, 9)
+            input_ids[row, where], attention_mask[row, where] = tokens, 1
     decoder_input_ids = torch.cat(
         [torch.full((4, 1), pad), torch.randint(0, vocab_size, (4, 6), generator=generator)], dim=1
     )
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    # Marian moves a left-padded sentence's positions by its padding; ours start at its first token (§3.5), so
+    # ours on either side is held to Marian on the right.
+    reference = dict(zip(("input_ids", "attention_mask"), batches["right"], strict=True))
+    inputs = dict(zip(("input_ids", "attention_mask"), batches[padding_side], strict=True))
     with torch.no_grad():
-        expected = marian(**inputs, decoder_input_ids=decoder_input_ids).logits
+        expected = marian(**reference, decoder_input_ids=decoder_input_ids).logits
         actual = ours(**inputs, decoder_input_ids=decoder_input_ids).logits
     assert (actual - expected).abs().max() < 1e-4
     decoding = dict(num_beams=4, max_new_tokens=15)
-    assert torch.equal(ours.generate(**inputs, **decoding), marian.generate(**inputs, **decoding))
+    assert torch.equal(ours.generate(**inputs, **decoding), marian.generate(**reference, **decoding))
 
 
 def test_converted_marian_matches_on_every_multi30k_test_sentence(tokenizer, corpus):
