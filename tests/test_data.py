@@ -80,20 +80,22 @@ def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(
     assert list(resumed) == shards[1][7:]
 
 
-@pytest.mark.parametrize("processes", [2, 3, 8])
-def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(corpus, tokenizer, processes):
+def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(corpus, tokenizer):
     source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["validation"])
-    shards = [
-        list(
-            TokenBatchSampler(source_lengths, target_lengths, 2048, shuffle=False, num_shards=processes, shard_index=i)
-        )
-        for i in range(processes)
-    ]
-    assert len({len(shard) for shard in shards}) == 1, "every process runs the same number of forward passes"
-    scored = sorted(i for shard in shards for batch in shard for i in batch)
-    assert scored == list(range(len(source_lengths)))
-    for batch in (np.array(b) for shard in shards for b in shard):
-        assert len(batch) * max(source_lengths[batch].max(), target_lengths[batch].max()) <= 2048
+    for processes in (2, 3, 8):
+        shards = [
+            list(
+                TokenBatchSampler(
+                    source_lengths, target_lengths, 2048, shuffle=False, num_shards=processes, shard_index=i
+                )
+            )
+            for i in range(processes)
+        ]
+        assert len({len(shard) for shard in shards}) == 1, "every process runs the same number of forward passes"
+        scored = sorted(i for shard in shards for batch in shard for i in batch)
+        assert scored == list(range(len(source_lengths))), f"{processes} processes"
+        for batch in (np.array(b) for shard in shards for b in shard):
+            assert len(batch) * max(source_lengths[batch].max(), target_lengths[batch].max()) <= 2048
 
 
 def test_training_pairs_that_are_too_long_or_empty_are_dropped(tmp_path, tokenizer):
