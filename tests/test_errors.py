@@ -139,12 +139,17 @@ def test_translate_names_a_missing_input_before_loading_the_model(tmp_path, caps
     assert_one_line_error(status, err, f"{tmp_path / 'in.en'} does not exist")
 
 
-def test_translate_names_the_undecodable_line_of_its_input(translator_dir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "options",
+    [["--batch-size", "1"], [], pytest.param(["--num-workers", "2"], marks=needs_fork)],
+    ids=["batch of 1", "batches of 64", "2 workers"],
+)
+def test_translate_names_the_undecodable_line_of_its_input(translator_dir, tmp_path, capsys, options):
     source = tmp_path / "in.en"
-    source.write_bytes(b"A dog.\nA caf\xe9.\n")
-    status, out, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "1")
-    assert_one_line_error(status, err, f"{source}, line 2: not valid UTF-8")
-    assert len(out.splitlines()) == 1, "the line before the bad one was translated and printed"
+    source.write_bytes(b"A dog.\nA cat.\nA caf\xe9.\nA cow.\n")
+    status, out, err = run_cli(capsys, "translate", "--model", translator_dir, "--input", source, *options)
+    assert_one_line_error(status, err, f"{source}, line 3: not valid UTF-8")
+    assert len(out.splitlines()) == 2, "the lines before the bad one were translated and printed"
 
 
 # Empty strings and empty batches ------------------------------------------------------------------

@@ -380,7 +380,8 @@ def translate_stream(
     take up to two batches each ahead of the output, for files rather than a terminal. Lines lose a
     trailing newline; an empty line gives an empty line, and no lines give no output. Arguments and
     errors are those of `translate` (sentence numbers count from the first line of the stream); a
-    too-long line raises only when its batch is reached, after the lines before it were yielded.
+    too-long line raises only when its batch is reached, and a line that is not UTF-8 when it is
+    read, both after the lines before them were yielded.
 
     See docs/performance.md, "Translating in worker processes".
     """
@@ -388,11 +389,21 @@ def translate_stream(
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
 
     def checked_batches(lines: Iterator[str]) -> Iterator[list[str]]:
-        first_number = 1
-        while batch := [line.rstrip("\n") for line in itertools.islice(lines, batch_size)]:
+        first_number, unreadable = 1, None
+        while unreadable is None:
+            batch = []
+            try:
+                for line in itertools.islice(lines, batch_size):
+                    batch.append(line.rstrip("\n"))
+            except ValueError as error:  # a line that is not UTF-8: the lines before it are translated first
+                unreadable = error
+            if not batch:
+                break
             translator.check_lengths(batch, first_number)
             yield batch
             first_number += len(batch)
+        if unreadable is not None:
+            raise unreadable
 
     for translations in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
         yield from translations
