@@ -287,8 +287,7 @@ def _plain_beam_search(
     # `early_stopping` says, ends on </s> or the length limit, returns only sequences.
     config = generation_config
     return (
-        input_ids.shape[1] == 1  # the decoder start alone: a longer prompt would need its keys and values first
-        and input_ids.shape[1] < config.max_length
+        input_ids.shape[1] == 1 < config.max_length  # the decoder start alone: a prompt needs its keys and values first
         and not config.do_sample
         and config.early_stopping in (True, False, "never")
         and not config.return_dict_in_generate

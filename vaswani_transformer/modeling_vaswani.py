@@ -124,8 +124,7 @@ def scaled_dot_product_attention(
     """
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is None and module.is_causal and query.shape[2] > 1:  # SDPA's mask builder left it to is_causal
-        allowed = torch.ones(weights.shape[-2:], dtype=torch.bool, device=weights.device)
-        attention_mask = allowed.tril(key.shape[2] - query.shape[2])
+        attention_mask = weights.new_ones(weights.shape[-2:], dtype=torch.bool).tril(key.shape[2] - query.shape[2])
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         weights = torch.where(attention_mask, weights, torch.finfo(weights.dtype).min)
     elif attention_mask is not None:
@@ -157,8 +156,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.scaling = config.key_dim**-0.5
         self.dropout = config.attention_dropout
-        # Read by the SDPA path of the attention interface: it must be False for non-causal attention,
-        # or an unpadded encoder batch would silently be masked causally.
+        # Read by the SDPA path: False for non-causal attention, or an unpadded encoder batch would be masked causally.
         self.is_causal = is_causal
         self.is_cross_attention = is_cross_attention
         keys_width, values_width = self.num_heads * config.key_dim, self.num_heads * config.value_dim
@@ -345,13 +343,7 @@ class DecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = self.encoder_attn_sublayer(
             hidden_states,
-            lambda x: self.encoder_attn(
-                x,
-                key_value_states=encoder_hidden_states,
-                attention_mask=encoder_attention_mask,
-                past_key_values=past_key_values,
-                **kwargs,
-            )[0],
+            lambda x: self.encoder_attn(x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs)[0],
         )
         return self.feed_forward_sublayer(hidden_states, self.feed_forward)
 
@@ -587,10 +579,9 @@ class Embeddings(nn.Module):
                 f"max_length={self.max_positions})) or use sinusoidal positions."
             )
         embeddings = self.embed_tokens(input_ids) * self.scale
+        positions = torch.arange(past_length, end, device=input_ids.device)
         if attention_mask is not None and not bool(attention_mask[:, 0].all()):  # a sentence padded on the left
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        else:
-            positions = torch.arange(past_length, end, device=input_ids.device)
         embeddings = embeddings + self.positional_encoding(positions).to(embeddings.dtype)
         return residual_dropout(embeddings, self.dropout, self.training)
 
@@ -745,9 +736,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None:
-                decoder_input_ids = shift_tokens_right(
-                    labels, self.config.pad_token_id, self.config.decoder_start_token_id
-                )
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         if decoder_input_ids is None:
             raise ValueError("VaswaniForConditionalGeneration needs decoder_input_ids or labels to decode.")
         outputs = self.model(

@@ -37,7 +37,7 @@ from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batc
 from .flops import peak_flops, training_flops
 from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
-from .ops_vaswani import bfloat16_products_are_faster
+from .ops_vaswani import fastest_mixed_precision
 from .plotting import plot_learning_curve
 from .tokenization import train_tokenizer
 from .training_config import MIXED_PRECISIONS, TrainingConfig
@@ -64,30 +64,6 @@ def inverse_square_root_schedule(d_model: int, warmup_steps: int, scale: float =
         return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
     return learning_rate
-
-
-def fastest_mixed_precision(device: torch.device) -> str:
-    """What `--mixed-precision auto` trains in on `device`: "bf16" where it is clearly faster, else "no".
-
-    Mixed precision is not in the paper (§5.2 names only its 8 P100 GPUs); it changes the rounding of
-    the products, not the model. On a CUDA GPU, "bf16" from compute capability 8.0
-    (Ampere), whose matrix units compute bfloat16 (older GPUs emulate it). On the CPU it is measured,
-    since it depends on the processor's instructions: "bf16" where
-    `ops_vaswani.bfloat16_products_are_faster()`, as on CPUs with AVX512_BF16 or AMX
-    (docs/performance.md, "Mixed precision on CPUs"). Weights, Adam's state, the softmax over the
-    vocabulary and, on CPUs where that is faster, attention stay in float32. Other devices: "no".
-
-    Args:
-        device: the device training runs on.
-
-    Returns:
-        "bf16" or "no", a value of `TrainingConfig.mixed_precision`.
-    """
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "no"
-    if device.type == "cpu":
-        return "bf16" if bfloat16_products_are_faster() else "no"
-    return "no"
 
 
 def avoid_cudnn_attention() -> None:
@@ -234,7 +210,7 @@ def train(config: TrainingConfig) -> Path:
 
     Raises:
         ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output
-            directory holds a run's checkpoints but `resume` is off.
+            directory holds a run's checkpoints but `resume` is off, or a model but no checkpoints.
         OSError: the output directory cannot be written.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
@@ -262,7 +238,8 @@ class TrainingRun:
 
     Raises:
         ValueError, FileNotFoundError: the corpus cannot be read, the output directory holds a run's
-            checkpoints and `config.resume` is off, or `config.update_freq` is above 1 under DeepSpeed.
+            checkpoints and `config.resume` is off (or a model and no checkpoints), or `config.update_freq`
+            is above 1 under DeepSpeed.
         OSError: the output directory is not writable.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """
@@ -503,10 +480,7 @@ class TrainingRun:
         )
 
     def ended(self) -> bool:
-        """Whether the run resumed at its end: its steps or minutes spent, or early stopping's patience out.
-
-        A run killed after its last checkpoint (while averaging or choosing the decoding) then only finishes.
-        """
+        """Whether the run resumed at its end (steps or minutes spent, patience out): it then only finishes (§6.1)."""
         config, state = self.config, self.state
         patience = config.early_stopping_patience
         return (
