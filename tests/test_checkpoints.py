@@ -36,6 +36,20 @@ def uninterrupted(mini_corpus, tmp_path_factory) -> Path:
     return train(mini_run(mini_corpus, tmp_path_factory.mktemp("uninterrupted")))
 
 
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_checkpoint_weights_round_trip_with_the_output_projection_tied_or_not(tie_word_embeddings):
+    config = modeling.VaswaniConfig.from_preset("tiny", vocab_size=64, tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    trained = modeling.VaswaniForConditionalGeneration(config)
+    torch.manual_seed(1)
+    fresh = modeling.VaswaniForConditionalGeneration(config)
+    state = ckpt.model_state(trained)
+    assert ("lm_head.weight" in state) is not tie_word_embeddings, "an untied projection is a weight of its own"
+    assert not any(name.endswith("embed_tokens.weight") for name in state), "the embeddings are model.shared"
+    ckpt.load_model_state(fresh, state)
+    assert_bitwise_equal(fresh.state_dict(), trained.state_dict())
+
+
 def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterrupted):
     saved = ckpt.list_checkpoints(uninterrupted / "checkpoints")
     # The last `average_last` and the best by validation loss (step 12 is also the last).

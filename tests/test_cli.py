@@ -146,6 +146,17 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     assert recorded.metric_value == result["bleu"] and recorded.metric_config == result["signature"]
     assert f"| sacreBLEU | {result['bleu']} |" in card.text
 
+    # A score of other decoding than the model's own leaves the card as it is.
+    files = ["--source", str(source), "--reference", str(reference), "--dataset-name", "multi30k"]
+    assert main(["evaluate", "--model", str(trained_model_dir), *files, "--num-beams", "1"]) == 0
+    assert "left as it is" in capsys.readouterr().err
+    assert (trained_model_dir / "README.md").read_text() == card.content
+    # Translations written over the test set's own files are refused before anything is translated.
+    for given in (source, reference):
+        text = given.read_text()
+        assert main(["evaluate", "--model", str(trained_model_dir), *files, "--output", str(given)]) == 2
+        assert "would overwrite it" in capsys.readouterr().err and given.read_text() == text
+
 
 def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_path, capsys):
     (tmp_path / "s").write_text("a\nb\n")

@@ -121,6 +121,9 @@ def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, c
     marian.generation_config.max_length = 20
     marian.save_pretrained(marian_dir)
 
+    saved = {path.name: path.read_bytes() for path in marian_dir.iterdir()}
+    assert main(["convert-marian", str(marian_dir), str(marian_dir)]) == 2, "converting over the source is refused"
+    assert {path.name: path.read_bytes() for path in marian_dir.iterdir()} == saved, "and leaves the Marian model"
     assert main(["convert-marian", str(marian_dir), str(tmp_path / "converted")]) == 0
     assert main(["convert-marian", str(marian_dir), str(tmp_path / "paper"), "--paper-decoding"]) == 0
 
@@ -139,11 +142,18 @@ def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, c
     assert paper.generation_config.length_penalty_type == "gnmt" and paper.generation_config.num_beams == 4
 
 
-def test_marian_with_separate_vocabularies_is_refused_with_the_reason():
+@pytest.mark.parametrize(
+    "option, reason",
+    [
+        (dict(decoder_vocab_size=50, share_encoder_decoder_embeddings=False), "share_encoder_decoder_embeddings"),
+        (dict(tie_word_embeddings=False), "tie_word_embeddings"),
+    ],
+)
+def test_marian_the_paper_cannot_express_is_refused_with_the_reason(option, reason):
     config = MarianConfig(
-        vocab_size=60, decoder_vocab_size=50, share_encoder_decoder_embeddings=False, d_model=16,
-        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=49, decoder_start_token_id=49, eos_token_id=0,
+        vocab_size=60, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=49,
+        decoder_start_token_id=49, eos_token_id=0, **option,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="share_encoder_decoder_embeddings"):
+    with pytest.raises(ValueError, match=reason):
         from_marian(MarianMTModel(config))

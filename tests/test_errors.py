@@ -403,6 +403,17 @@ def test_translate_without_matplotlib_refuses_attention_maps_before_translating(
     assert out == ""
 
 
+@pytest.mark.parametrize("command", [["translate", "--engine", "ctranslate2"], ["export-ctranslate2"]])
+def test_commands_without_ctranslate2_say_what_to_install_in_one_line(
+    trained_model_dir, tmp_path, capsys, monkeypatch, command
+):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # what `import ctranslate2` meets where it is not installed
+    model = ["--model", trained_model_dir] if command[0] == "translate" else [trained_model_dir, tmp_path / "ct2"]
+    status, out, err = run_cli(capsys, *command, *model)
+    assert_one_line_error(status, err, "needs the ctranslate2 package", "pip install 'vaswani-transformer[serve]'")
+    assert out == ""
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
 def test_a_read_only_output_directory_is_refused(tmp_path):
     read_only = tmp_path / "read-only"

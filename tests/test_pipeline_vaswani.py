@@ -78,3 +78,16 @@ def test_a_fresh_environment_without_the_package_translates_like_the_package(tra
     expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
     assert all(expected)
     assert without["pipeline"] == without["generate"] == expected
+
+
+def test_the_pipeline_gives_each_input_its_own_translations_in_batches(trained_model_dir):
+    from transformers import pipeline
+
+    translator = pipeline("translation", model=str(trained_model_dir), trust_remote_code=True)
+    sentences = [*SENTENCES, "A girl sings on a stage.", "   ", ""]
+    best = [result["translation_text"] for result in translator(sentences, batch_size=2)]
+    several = translator(sentences, num_return_sequences=2, batch_size=2)
+    assert [len(hypotheses) for hypotheses in several] == [2] * len(sentences)
+    assert [hypotheses[0]["translation_text"] for hypotheses in several] == best, "each input's own best first"
+    assert all(best[:3]) and best[3:] == ["", ""], "blank inputs translate to blank outputs, as translate() does"
+    assert all(h["translation_text"] == "" for hypotheses in several[3:] for h in hypotheses)

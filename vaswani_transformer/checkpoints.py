@@ -86,42 +86,56 @@ def remove_leftovers(checkpoints_dir: str | Path) -> list[Path]:
     return leftovers
 
 
-# The pre-softmax projection and the two embedding tables share the weight `model.shared.weight` (§3.4): the names
-# of the copies, as the model declares them to transformers, matched at the end so that a wrapper's prefix shows them.
-_TIED_COPIES = (
-    *VaswaniForConditionalGeneration._tied_weights_keys,
-    *(f"{VaswaniForConditionalGeneration.base_model_prefix}.{name}" for name in VaswaniModel._tied_weights_keys),
-)
+def _tied_copies(config: VaswaniConfig) -> tuple[str, ...]:
+    # The encoder's and decoder's token embeddings are the module `model.shared` itself, and the pre-softmax
+    # projection shares its weight unless the config unties it (§3.4): the names of these copies, as the model
+    # declares them to transformers, matched at the end so that a wrapper's prefix shows them.
+    prefix = VaswaniForConditionalGeneration.base_model_prefix
+    copies = tuple(f"{prefix}.{name}" for name in VaswaniModel._tied_weights_keys)
+    if config.tie_word_embeddings:
+        copies += tuple(VaswaniForConditionalGeneration._tied_weights_keys)
+    return copies
 
 
-def _tied_copy(name: str) -> bool:
-    return name.endswith(_TIED_COPIES)
-
-
-def model_state(model: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_state(
+    model: torch.nn.Module | dict[str, torch.Tensor], config: VaswaniConfig | None = None
+) -> dict[str, torch.Tensor]:
     """The model's weights for a checkpoint, each stored once, on the CPU.
 
-    The embedding shared by source, target and the pre-softmax projection (§3.4) is stored under
-    `model.shared.weight` only: safetensors refuses tensors that share memory.
+    The embedding shared by source, target and (unless `tie_word_embeddings` is False) the pre-softmax
+    projection (§3.4) is stored under `model.shared.weight` only: safetensors refuses tensors that share memory.
 
     Args:
         model: the unwrapped model, or the whole state dict of one (e.g. gathered from FSDP's shards).
+        config: the model's configuration, which says whether the output projection is tied; needed only
+            when `model` is a state dict.
+
+    Raises:
+        TypeError: `model` is a state dict and `config` is missing.
     """
-    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    return {name: t.detach().contiguous().cpu() for name, t in state.items() if not _tied_copy(name)}
+    if isinstance(model, torch.nn.Module):
+        state, config = model.state_dict(), model.config
+    elif config is None:
+        raise TypeError("model_state: pass the model's config with a state dict (it says what is tied).")
+    else:
+        state = model
+    copies = _tied_copies(config)
+    return {name: t.detach().contiguous().cpu() for name, t in state.items() if not name.endswith(copies)}
 
 
-def check_loaded_names(missing: list[str], unexpected: list[str]) -> None:
+def check_loaded_names(missing: list[str], unexpected: list[str], config: VaswaniConfig) -> None:
     """Check what loading `model_state` weights left out: the tied copies of the embedding (§3.4) and nothing else.
 
     Args:
         missing, unexpected: the names `load_state_dict(..., strict=False)` reports (with or without
             the prefixes of a wrapper such as FSDP's).
+        config: the model's configuration (whether its output projection is tied).
 
     Raises:
         CheckpointError: a weight of the model is missing or the file holds unknown weights.
     """
-    untied = [n for n in missing if not _tied_copy(n)]
+    copies = _tied_copies(config)
+    untied = [n for n in missing if not n.endswith(copies)]
     if untied or unexpected:
         raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
 
@@ -134,7 +148,7 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     Raises:
         CheckpointError: a weight of the model is missing or the file holds unknown weights.
     """
-    check_loaded_names(*model.load_state_dict(state, strict=False))
+    check_loaded_names(*model.load_state_dict(state, strict=False), model.config)
 
 
 def _sha256(path: Path) -> str:
@@ -196,6 +210,7 @@ def write_main_state(
     model: torch.nn.Module | dict[str, torch.Tensor],
     optimizer_state: dict,
     trainer_state: dict,
+    config: VaswaniConfig | None = None,
 ) -> None:
     """Write the weights, the optimizer/scheduler/scaler state and `trainer_state.json` (last, with file checksums).
 
@@ -208,8 +223,9 @@ def write_main_state(
         optimizer_state: `{"optimizer": ..., "scheduler": ..., "scaler": ...}` state dicts (tensors,
             numbers, strings, lists and dicts only).
         trainer_state: JSON-serialisable progress (step, data position, log, ...).
+        config: the model's configuration, when `model` is a state dict (see `model_state`).
     """
-    save_file(model_state(model), directory / WEIGHTS_NAME)
+    save_file(model_state(model, config), directory / WEIGHTS_NAME)
     torch.save(optimizer_state, directory / OPTIMIZER_NAME)
     files = sorted(p for p in directory.iterdir() if p.name != STATE_NAME)
     trainer_state = {**trainer_state, "files": {p.name: _sha256(p) for p in files}}

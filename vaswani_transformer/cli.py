@@ -179,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--split", default=None, help="split name for the model card (default: the file's stem)")
     evaluate.add_argument(
-        "--no-model-card", action="store_true", help="do not record the score in a local model's README.md"
+        "--no-model-card",
+        action="store_true",
+        help="do not record the score in a local model's README.md (a score of other --num-beams or "
+        "--length-penalty than the model's own is never recorded: the card describes the model as saved)",
     )
     _add_decoding_options(evaluate)
 
@@ -293,6 +296,12 @@ def _evaluate(args: argparse.Namespace) -> None:
     if not sources:
         raise ValueError(f"{args.source} is empty: give a test set with one sentence per line.")
     if args.output:
+        for option, path in (("--source", args.source), ("--reference", args.reference)):
+            if Path(args.output).resolve() == Path(path).resolve():
+                raise ValueError(
+                    f"--output {args.output} is the {option} file: the translations would overwrite it. "
+                    "Name another file."
+                )
         ensure_writable(args.output, is_file=True)
     model, tokenizer = load_translator(args.model, args.device)
     hypotheses = translate(
@@ -306,7 +315,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     report = {"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}
     report.update(bleu_lowercased=round(lowercased["score"], 2), signature_lowercased=lowercased["signature"])
     print(json.dumps(report))
-    if Path(args.model).is_dir() and not args.no_model_card:
+    if _generate_kwargs(args) and not args.no_model_card:
+        print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
+    elif Path(args.model).is_dir() and not args.no_model_card:
         from huggingface_hub import EvalResult
 
         from .hub import write_model_card
@@ -339,10 +350,7 @@ def _translate(args: argparse.Namespace) -> None:
         ensure_writable(args.attention_dir)
         from .plotting import _pyplot
 
-        try:
-            _pyplot()  # before any line is translated, not after the first
-        except ImportError as error:  # the optional dependency: one line, not a traceback
-            raise OSError(str(error)) from error
+        _pyplot()  # before any line is translated, not after the first
     if args.num_workers > 1 and args.input == "-" and sys.stdin.isatty():
         raise ValueError(
             "--num-workers above 1 translates batches ahead, so a typed line would wait for the lines after it: "
@@ -420,21 +428,15 @@ def _convert_marian(args: argparse.Namespace) -> None:
 def _export_ctranslate2(args: argparse.Namespace) -> None:
     from .export import export_ctranslate2
 
-    try:
-        print(export_ctranslate2(args.model_dir, args.output_dir, args.quantization, args.max_positions, args.force))
-    except ImportError as error:  # the optional dependency: one line, not a traceback
-        raise OSError(str(error)) from error
+    print(export_ctranslate2(args.model_dir, args.output_dir, args.quantization, args.max_positions, args.force))
 
 
 def _serve(args: argparse.Namespace) -> None:
     config = ServingConfig(**{name: getattr(args, name) for name in _option_names(ServingConfig)})
-    try:
-        from .serving import serve
+    from .serving import serve
 
-        loading = ("engine", "device", "num_beams", "length_penalty", "source_lang", "target_lang", "ctranslate2_dir")
-        serve(args.model, config, **{name: getattr(args, name) for name in loading})
-    except ImportError as error:  # the optional dependencies: one line, not a traceback
-        raise OSError(str(error)) from error
+    loading = ("engine", "device", "num_beams", "length_penalty", "source_lang", "target_lang", "ctranslate2_dir")
+    serve(args.model, config, **{name: getattr(args, name) for name in loading})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -447,8 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, or 2 after one line on stderr for an expected failure (a ValueError,
-        OSError, MemoryError or BrokenExecutor: a bad path or value, a full device, a worker of
-        `--num-workers` killed). Invalid options exit with
+        OSError, ImportError, MemoryError or BrokenExecutor: a bad path or value, a full device, an
+        optional dependency not installed, a worker of `--num-workers` killed). Invalid options exit with
         status 2 through argparse (SystemExit).
     """
     args = build_parser().parse_args(argv)
@@ -464,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]
     try:
         command(args)
-    except (ValueError, OSError, MemoryError, BrokenExecutor) as error:
+    except (ValueError, OSError, ImportError, MemoryError, BrokenExecutor) as error:
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

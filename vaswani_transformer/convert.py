@@ -89,6 +89,8 @@ def _config_from_marian(marian_config) -> VaswaniConfig:
     problems = []
     if not marian_config.share_encoder_decoder_embeddings:
         problems.append("separate source and target embeddings (share_encoder_decoder_embeddings=False)")
+    if not marian_config.tie_word_embeddings:
+        problems.append("an output projection of its own (tie_word_embeddings=False)")
     if marian_config.encoder_attention_heads != marian_config.decoder_attention_heads:
         problems.append("different numbers of encoder and decoder attention heads")
     if marian_config.encoder_ffn_dim != marian_config.decoder_ffn_dim:
@@ -100,7 +102,8 @@ def _config_from_marian(marian_config) -> VaswaniConfig:
     _refuse_inexact(
         problems,
         "This Marian model cannot be converted exactly",
-        "The paper's Transformer shares one vocabulary and has identical encoder and decoder layer sizes.",
+        "The paper's Transformer shares one vocabulary, and its weights with the output projection (§3.4), and has"
+        " identical encoder and decoder layer sizes.",
     )
     return VaswaniConfig(
         **{ours: getattr(marian_config, theirs) for ours, theirs in _MARIAN_FIELDS.items()},
@@ -150,7 +153,8 @@ def from_marian(marian_model: MarianMTModel) -> VaswaniForConditionalGeneration:
 
     Raises:
         ValueError: the Marian model has features the paper's architecture cannot express exactly
-            (separate vocabularies, unequal encoder and decoder sizes, an odd d_model, pre-LayerNorm layers).
+            (separate vocabularies, an untied output projection, unequal encoder and decoder sizes, an odd
+            d_model, pre-LayerNorm layers).
     """
     config = _config_from_marian(marian_model.config)
     model = VaswaniForConditionalGeneration(config)
@@ -193,9 +197,14 @@ def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, pap
 
     Raises:
         OSError: `source_dir` holds no loadable Marian model.
-        ValueError: see `from_marian`.
+        ValueError: `output_dir` is `source_dir` (saving would overwrite the Marian model); see also `from_marian`.
     """
     source_dir, output_dir = Path(source_dir), Path(output_dir)
+    if output_dir.resolve() == source_dir.resolve():
+        raise ValueError(
+            f"the output directory {output_dir} is the Marian model's own: converting there would overwrite it."
+            " Choose another output directory."
+        )
     model = from_marian(MarianMTModel.from_pretrained(source_dir))
     if paper_decoding:
         model.generation_config = paper_generation_config(model.config)

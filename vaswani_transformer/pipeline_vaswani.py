@@ -17,7 +17,8 @@ class TranslationPipeline(Pipeline):
     As transformers 4's pipeline did: a string gives `[{"translation_text": str}]`, a list of n
     strings gives n such dicts, in order (n lists of dicts with `num_return_sequences` > 1).
     Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call.
-    Inputs longer than the tokenizer's `model_max_length` are truncated.
+    Inputs longer than the tokenizer's `model_max_length` are truncated; a blank input translates to
+    an empty string, as with `translate()`.
     """
 
     _pipeline_calls_generate = True
@@ -38,7 +39,7 @@ class TranslationPipeline(Pipeline):
 
     def preprocess(self, text: str) -> dict[str, torch.Tensor]:
         """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
-        tokenizer's `model_max_length`.
+        tokenizer's `model_max_length`, and `blank`, `(1, 1)`, whether `text` is only whitespace.
 
         See README.md, "Using a trained model".
 
@@ -47,16 +48,21 @@ class TranslationPipeline(Pipeline):
         """
         if not isinstance(text, str):
             raise TypeError(f"TranslationPipeline translates strings, got {type(text).__name__}.")
-        return self.tokenizer(text, return_tensors="pt", truncation=True)
+        inputs = self.tokenizer(text, return_tensors="pt", truncation=True)
+        return {**inputs, "blank": torch.tensor([[not text.strip()]])}
 
     def _forward(self, model_inputs: dict[str, torch.Tensor], **generate_kwargs: Any) -> dict[str, torch.Tensor]:
+        blank = model_inputs.pop("blank")
         output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
-        return {"output_ids": output_ids}
+        # One row of hypotheses per input, so that the pipeline's unbatching hands each input its own.
+        return {"output_ids": output_ids.reshape(len(blank), -1, output_ids.shape[-1]), "blank": blank}
 
     def postprocess(self, model_outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
-        """Decode `output_ids`, `(num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`.
+        """Decode `output_ids`, `(1, num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`.
 
         See README.md, "Using a trained model".
         """
-        texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(model_outputs["output_ids"][0], skip_special_tokens=True)
+        if model_outputs["blank"].item():
+            texts = [""] * len(texts)
         return [{"translation_text": text} for text in texts]

@@ -675,7 +675,7 @@ class TrainingRun:
                 optimizer_state["optimizer"] = optimizer
             if accelerator.scaler is not None:
                 optimizer_state["scaler"] = accelerator.scaler.state_dict()
-            ckpt.write_main_state(directory, weights, optimizer_state, state)
+            ckpt.write_main_state(directory, weights, optimizer_state, state, self.unwrapped.config)
             best = (state["best_step"],) if state.get("best_step") else ()
             published = ckpt.publish_checkpoint(directory, self.config.keep_checkpoints, protect=best)
         accelerator.wait_for_everyone()
@@ -695,7 +695,9 @@ class TrainingRun:
 
             # Every process reads the whole state and keeps its shards; the tied copies of the embedding are not saved.
             options = StateDictOptions(full_state_dict=True, strict=False)
-            ckpt.check_loaded_names(*set_model_state_dict(self.model, ckpt.load_weights(path), options=options))
+            ckpt.check_loaded_names(
+                *set_model_state_dict(self.model, ckpt.load_weights(path), options=options), self.unwrapped.config
+            )
             set_optimizer_state_dict(self.model, self.optimizer.optimizer, saved["optimizer"], options=options)
         elif accelerator.distributed_type == DistributedType.DEEPSPEED:
             # This process's partition; the module's weights are copied from the masters, as after an optimizer step.

@@ -353,10 +353,13 @@ def translate(
         One translation per sentence, detokenized, in the input's order.
 
     Raises:
+        TypeError: `sentences` is one string, not a list of them.
         ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with a CTranslate2 engine,
             `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, or (with "error") a
             source over the limit; the message names the sentence (1-based) and its length.
     """
+    if isinstance(sentences, str):  # else each character would be translated as a sentence of its own
+        raise TypeError("translate() takes a list of sentences: write translate(model, tokenizer, [sentence]).")
     _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
     translator.check_lengths(sentences, first_number=1)
