@@ -62,6 +62,20 @@ def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterru
     assert not list((uninterrupted / "checkpoints").glob(".*")), "no leftovers of the atomic writes"
 
 
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(uninterrupted, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", checkpoints)
+    newest = ckpt.list_checkpoints(checkpoints)[-1]
+    with pytest.raises(ckpt.CheckpointError, match=r"written by 1 processes, not 2: resume with .* \(1\)"):
+        ckpt.verify_checkpoint(newest, world_size=2)
+    for path in ckpt.list_checkpoints(checkpoints):  # as if two processes had written them (their RNG files aside)
+        state = json.loads((path / ckpt.STATE_NAME).read_text())
+        (path / ckpt.STATE_NAME).write_text(json.dumps({**state, "world_size": 2}))
+    with pytest.raises(ckpt.CheckpointError, match=r"written by 2 processes, not 1") as refused:
+        ckpt.latest_good_checkpoint(checkpoints, world_size=1)
+    assert "damaged" not in str(refused.value)
+
+
 def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mini_corpus, uninterrupted, tmp_path):
     config = mini_run(mini_corpus, tmp_path / "killed")
     kill_after = random.randint(1, 3) * config.save_steps  # a checkpoint exists, later steps are lost

@@ -19,8 +19,25 @@ def test_config_rejects_impossible_values_naming_the_field():
         VaswaniConfig(encoder_layers=-2)
     with pytest.raises(ValueError, match="d_model must be even"):
         VaswaniConfig(d_model=33, num_attention_heads=1)
+    with pytest.raises(ValueError, match="layer_norm_eps"):
+        VaswaniConfig(layer_norm_eps=-1.0)
+    with pytest.raises(ValueError, match="normalize_before must be a boolean"):
+        VaswaniConfig(normalize_before="false")  # a string, and a true one
     with pytest.raises(ValueError, match="Unknown preset"):
         VaswaniConfig.from_preset("huge")
+
+
+@pytest.mark.parametrize("alias, value", [("hidden_size", 100), ("encoder_attention_heads", 7)])
+def test_config_checks_values_given_by_transformers_names_too(alias, value):
+    with pytest.raises(ValueError, match="d_model.*num_attention_heads"):
+        VaswaniConfig(**{alias: value})
+
+
+def test_from_pretrained_checks_its_overrides(tmp_path):
+    VaswaniConfig.from_preset("tiny").save_pretrained(tmp_path)
+    assert VaswaniConfig.from_pretrained(tmp_path, dropout=0.3).dropout == 0.3
+    with pytest.raises(ValueError, match="dropout must be a probability"):
+        VaswaniConfig.from_pretrained(tmp_path, dropout=1.5)
 
 
 def test_presets_are_table_3():

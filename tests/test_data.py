@@ -55,6 +55,18 @@ def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_len
     assert list(sampler) != batches, "each epoch draws a new order"
 
 
+def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_budget(corpus, tokenizer):
+    from transformers import DataCollatorForSeq2Seq
+
+    train = tokenize_corpus(corpus, tokenizer, "en", "de")["train"].select(range(3000))
+    sampler = TokenBatchSampler(*lengths_of(train), max_tokens=512, seed=0, pad_to_multiple_of=8)
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=8, return_tensors="pt")
+    pairs = train.select_columns(["input_ids", "labels"])
+    sizes = [{name: collator([pairs[i] for i in b])[name].numel() for name in ("input_ids", "labels")} for b in sampler]
+    assert max(size for batch in sizes for size in batch.values()) <= 512
+    assert sum(sum(batch.values()) for batch in sizes) / (2 * 512 * len(sizes)) > 0.85, "and fill it"
+
+
 @pytest.mark.parametrize("max_tokens", [2048, 4096])
 def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, tokenizer, max_tokens):
     source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["train"])
@@ -117,3 +129,12 @@ def test_a_dataset_with_a_translation_column_is_flattened_to_one_column_per_lang
     assert splits["validation"].num_rows == 1
     with pytest.raises(ValueError, match="no column for fr"):
         load_parallel_corpus(tmp_path, "en", "fr")
+
+
+def test_other_splits_are_cut_to_max_length_with_their_end_of_sentence(corpus, tokenizer):
+    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=16)
+    for name in ("train", "validation", "test_2016_flickr"):
+        split = tokenized[name]
+        assert max(max(split["source_length"]), max(split["target_length"])) == 16, name
+        assert all(ids[-1] == tokenizer.eos_token_id for ids in [*split["input_ids"], *split["labels"]]), name
+    assert len(tokenized["validation"]) == len(corpus["validation"]), "only training pairs are dropped"

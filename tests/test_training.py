@@ -240,3 +240,13 @@ def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corp
         assert "mfu" not in theirs  # no peak is known for a CPU
         # the MFU is the model's FLOP/s over the peak given
         assert ours["mfu"] == pytest.approx(ours["model_tflops_per_second"] / 0.5, rel=0.05, abs=1e-4)
+
+
+def test_a_given_tokenizer_takes_the_runs_max_length(tokenizer, tmp_path):
+    from vaswani_transformer.training import _prepare_tokenizer
+
+    tokenizer.save_pretrained(tmp_path)  # saved with its own model_max_length
+    max_length = tokenizer.model_max_length + 64
+    config = TrainingConfig(data="unused", source_lang="en", target_lang="de", output_dir=str(tmp_path / "run"),
+                            tokenizer=str(tmp_path), max_length=max_length, max_steps=1)  # fmt: skip
+    assert _prepare_tokenizer(config, None, resuming=False).model_max_length == max_length, "translation truncates"

@@ -51,6 +51,11 @@ class CheckpointError(ValueError):
     """
 
 
+class _ProcessCountError(CheckpointError):
+    # A sound checkpoint of another number of processes: not damaged, so no older one is better.
+    pass
+
+
 def checkpoint_step(path: Path) -> int:
     """The optimizer step of a checkpoint directory named `step-<N>`.
 
@@ -279,12 +284,16 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
         files = state["files"]
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{state_path} is missing or unreadable ({error}).") from error
+    # Each process resumes its own random state and, under DeepSpeed, its own part of the optimizer.
+    written_by = state.get("world_size", sum(name.startswith("rng-") for name in files))
+    if written_by != world_size:
+        raise _ProcessCountError(
+            f"{path} was written by {written_by} processes, not {world_size}: resume with the same number of "
+            f"processes ({written_by})."
+        )
     expected = {WEIGHTS_NAME, OPTIMIZER_NAME, *(f"rng-{rank}.safetensors" for rank in range(world_size))}
     if not expected <= files.keys():
-        raise CheckpointError(
-            f"{path} was written by {state.get('world_size')} processes and lacks {sorted(expected - files.keys())}; "
-            f"resume with the same number of processes ({state.get('world_size')})."
-        )
+        raise CheckpointError(f"{path} is incomplete: its record lacks {sorted(expected - files.keys())}.")
     for name, digest in files.items():
         file = path / name
         if not file.is_file():
@@ -300,14 +309,17 @@ def latest_good_checkpoint(checkpoints_dir: Path, world_size: int) -> tuple[Path
     See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Raises:
-        CheckpointError: the newest checkpoint is damaged; the message names the newest good one,
-            so that the user can remove the damaged one and resume from there.
+        CheckpointError: the newest checkpoint is damaged (the message names the newest good one,
+            so that the user can remove the damaged one and resume from there), or was written by
+            another number of processes (the message says how many).
     """
     checkpoints = list_checkpoints(checkpoints_dir)
     if not checkpoints:
         return None, None
     try:
         return checkpoints[-1], verify_checkpoint(checkpoints[-1], world_size)
+    except _ProcessCountError:
+        raise
     except CheckpointError as error:
         good = None
         for older in reversed(checkpoints[:-1]):

@@ -62,9 +62,10 @@ class VaswaniConfig(PretrainedConfig):
             pre-softmax projection (§3.4).
 
     Raises:
-        ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1), d_model
-            is odd or (with d_k or d_v unset) not divisible by num_attention_heads, or an option has
-            an unknown value. The message names the field.
+        ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1),
+            layer_norm_eps outside (0, 1), a switch not a bool, d_model odd or (with d_k or d_v unset) not
+            divisible by num_attention_heads, or an option has an unknown value; checked after aliases
+            (`hidden_size`, ...) and `from_pretrained`'s overrides are applied. The message names the field.
     """
 
     model_type = "vaswani_transformer"
@@ -107,8 +108,20 @@ class VaswaniConfig(PretrainedConfig):
     is_encoder_decoder: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
-        self._check_values()
         super().__post_init__(**kwargs)
+        self._check_values()  # after transformers applied the aliases of `attribute_map` (hidden_size, ...)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "VaswaniConfig | tuple[VaswaniConfig, dict]":
+        """`PretrainedConfig.from_dict`, then the checks of `__init__` again: `from_pretrained(path, dropout=...)`
+        sets its overrides after the config is built.
+
+        Raises:
+            ValueError: as `VaswaniConfig(...)` does.
+        """
+        loaded = super().from_dict(config_dict, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded)._check_values()
+        return loaded
 
     def _check_values(self) -> None:
         sizes = ("vocab_size", "d_model", "d_ff", "encoder_layers", "decoder_layers", "num_attention_heads")
@@ -119,6 +132,15 @@ class VaswaniConfig(PretrainedConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("normalize_before", "scale_embedding", "attention_bias", "add_final_logits_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"VaswaniConfig.{name} must be a boolean (true or false), got {getattr(self, name)!r}."
+                )
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, (int, float)):
+            raise ValueError(f"VaswaniConfig.layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}.")
+        if not 0.0 < self.layer_norm_eps < 1.0:
+            raise ValueError(f"VaswaniConfig.layer_norm_eps must lie in (0, 1), got {self.layer_norm_eps!r}.")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:

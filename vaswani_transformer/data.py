@@ -221,10 +221,8 @@ def tokenize_corpus(
         (token counts) beside the text columns.
     """
 
-    def encode(batch: dict[str, list[str]]) -> dict[str, list]:
-        encoded = tokenizer(
-            batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=max_length + 1
-        )
+    def encode(batch: dict[str, list[str]], limit: int) -> dict[str, list]:
+        encoded = tokenizer(batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=limit)
         return {
             "input_ids": encoded["input_ids"],
             "labels": encoded["labels"],
@@ -232,7 +230,19 @@ def tokenize_corpus(
             "target_length": [len(ids) for ids in encoded["labels"]],
         }
 
-    tokenized = corpus.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
+    # Training pairs one token longer than max_length are found (and dropped, below); the rest are cut to it.
+    tokenized = datasets.DatasetDict(
+        {
+            name: split.map(
+                encode,
+                batched=True,
+                num_proc=num_proc,
+                fn_kwargs={"limit": max_length + 1 if name == "train" else max_length},
+                desc=f"Tokenizing {name}",
+            )
+            for name, split in corpus.items()
+        }
+    )
     # A sentence of max_length + 1 tokens was truncated: drop such training pairs rather than learn
     # from a cut-off translation; `</s>` alone (length 1) is an empty line.
     keep = lambda batch: [  # noqa: E731
@@ -248,7 +258,8 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     "Sentence pairs were batched together by approximate sequence length": indices are shuffled,
     sorted by length (stably, so equal lengths stay shuffled), cut into batches whose padded size
-    `batch_size * max(source_len, target_len)` fits the budget, and the batches are shuffled.
+    `batch_size * max(source_len, target_len)` (rounded up to `pad_to_multiple_of`, as the collator
+    pads) fits the budget, and the batches are shuffled.
     Each epoch (see `set_epoch`) draws a new order from `seed + epoch`, so any position in the data
     can be recomputed from (epoch, batches done) alone: that is what a checkpoint records.
 
@@ -266,10 +277,12 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         shuffle: shuffle pairs and batches; False keeps the sorted order (for evaluation).
         seed: random seed.
         num_shards, shard_index: data-parallel processes and this process's rank.
+        pad_to_multiple_of: the multiple of tokens each side of a batch is padded to (the collator's
+            `pad_to_multiple_of`), counted in the budget.
 
     Raises:
-        ValueError: `max_tokens` is smaller than the longest pair, which could never be batched, or
-            `shard_index` is not in [0, num_shards).
+        ValueError: `max_tokens` is smaller than the longest pair (padded), which could never be
+            batched, or `shard_index` is not in [0, num_shards).
     """
 
     def __init__(
@@ -281,13 +294,15 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         seed: int = 0,
         num_shards: int = 1,
         shard_index: int = 0,
+        pad_to_multiple_of: int = 1,
     ) -> None:
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.source_lengths, self.target_lengths = np.asarray(source_lengths), np.asarray(target_lengths)
-        self.lengths = np.maximum(self.source_lengths, self.target_lengths)
+        self.lengths = self._padded(np.maximum(self.source_lengths, self.target_lengths))
         if len(self.lengths) and self.lengths.max() > max_tokens:
             raise ValueError(
-                f"max_tokens={max_tokens} is smaller than the longest sentence ({self.lengths.max()} tokens); "
-                "raise --max-tokens or lower --max-length."
+                f"max_tokens={max_tokens} is smaller than the longest sentence ({self.lengths.max()} tokens, padded "
+                f"to a multiple of {pad_to_multiple_of}); raise --max-tokens or lower --max-length."
             )
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}.")
@@ -297,6 +312,9 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.num_shards, self.shard_index = num_shards, shard_index
         self.epoch, self.skip = 0, 0
         self._batches = self._make_batches()
+
+    def _padded(self, lengths: np.ndarray) -> np.ndarray:
+        return -(-lengths // self.pad_to_multiple_of) * self.pad_to_multiple_of
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Draw the order of epoch `epoch` (completed passes over the data) and start after its first `skip` batches.
@@ -341,7 +359,10 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
         See docs/training.md, "Training at scale, and runs that survive being killed".
         """
         real = sum(int(self.source_lengths[b].sum() + self.target_lengths[b].sum()) for b in self._batches)
-        padded = sum(len(b) * int(self.source_lengths[b].max() + self.target_lengths[b].max()) for b in self._batches)
+        padded = sum(
+            len(b) * int(self._padded(self.source_lengths[b].max()) + self._padded(self.target_lengths[b].max()))
+            for b in self._batches
+        )
         return real / max(padded, 1)
 
     def __iter__(self) -> Iterator[list[int]]:

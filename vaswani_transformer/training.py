@@ -90,7 +90,9 @@ def _prepare_tokenizer(config: TrainingConfig, corpus, resuming: bool) -> PreTra
     if resuming:  # the tokenizer the run started with, saved beside its checkpoints
         return AutoTokenizer.from_pretrained(config.output_dir)
     if config.tokenizer:
-        return AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer.model_max_length = config.max_length  # saved with the model: translation truncates to it
+        return tokenizer
     return train_tokenizer(
         text_batches(corpus, [config.source_lang, config.target_lang]),
         vocab_size=config.vocab_size,
@@ -110,6 +112,7 @@ def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accele
         seed=seed,
         num_shards=accelerator.num_processes,
         shard_index=accelerator.process_index,
+        pad_to_multiple_of=pad_to,
     )
     collator = DataCollatorForSeq2Seq(
         tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_to, return_tensors="pt"
