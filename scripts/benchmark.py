@@ -225,6 +225,7 @@ def machine(device: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "ctranslate2": ctranslate2_version,
+        "sacrebleu": version("sacrebleu"),  # the translate tasks' BLEU
     }
 
 
@@ -844,6 +845,23 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    counts = ("threads", "vocab_size", "max_tokens", "train_sentences", "train_steps", "decode_batches",
+              "decode_length", "translate_batches", "repeats", "rounds")  # fmt: skip
+    for name in counts:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.train_warmup < 0:
+        parser.error(f"--train-warmup must be at least 0, got {args.train_warmup}")
+    planned = [
+        task for task in args.tasks
+        if set(TASKS[task]) & set(args.engines) and (args.model or not task.startswith("translate"))
+        and not (task == "translate-workers" and args.device == "cuda")
+    ]  # fmt: skip
+    if not args.child and not planned:
+        parser.error(
+            f"nothing to measure: none of --engines {' '.join(args.engines)} runs any of --tasks "
+            f"{' '.join(args.tasks)} here (the translate tasks need --model DIR, translate-workers the CPU)"
+        )
     # Children get their task alone (`--child ENGINE TASK`), not --tasks.
     bad_cpu_dtype = args.dtype == "float16" or (args.dtype == "bfloat16" and args.tasks != ["train"] and not args.child)
     if args.device == "cpu" and bad_cpu_dtype:

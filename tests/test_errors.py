@@ -93,6 +93,20 @@ def test_parallel_files_with_different_line_counts_name_both_files_and_counts(tm
     assert_one_line_error(status, err, f"{source} has 3 lines", f"{target} has 2")
 
 
+@pytest.mark.parametrize(
+    "corpus, fragments",
+    [
+        (["--data-dir", "data/multi30K"], ["--data-dir data/multi30K is not a directory", "--dataset"]),
+        (["--data-dir", ".", "--dataset", "org/c", "--train-files", "a", "b"], ["exactly one of --data-dir"]),
+    ],
+)
+def test_the_corpus_options_are_not_mixed_up(tmp_path, capsys, monkeypatch, corpus, fragments):
+    monkeypatch.chdir(tmp_path)  # where data/multi30K does not exist: a mistyped directory, not a Hub id
+    options = ["--source-lang", "en", "--target-lang", "de", "--output-dir", "out", "--max-steps", "1"]
+    status, _, err = run_cli(capsys, "train", *corpus, *options)
+    assert_one_line_error(status, err, *fragments)
+
+
 def test_empty_and_missing_corpus_files_are_named(tmp_path):
     source, target = tmp_path / "a.en", tmp_path / "a.de"
     source.write_text("A dog.\n", encoding="utf-8")

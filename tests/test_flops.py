@@ -38,7 +38,9 @@ def test_padding_adds_no_flops_and_a_training_step_counts_three_forward_passes()
 def test_peak_is_known_for_listed_gpus_in_16_bit_only(monkeypatch):
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
     cuda = torch.device("cuda", 0)
-    for name, peak in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989.4e12)]:
+    names = [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+             ("NVIDIA H200", 989.4e12), ("NVIDIA H200 NVL", 835e12)]  # fmt: skip
+    for name, peak in names:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops(cuda, torch.bfloat16) == peak_flops(cuda, torch.float16) == peak
         assert peak_flops(cuda, torch.float32) is None  # TF32 or not: no single peak

@@ -130,6 +130,12 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
     assert resumed._resolve_mixed_precision(launched_on_cpus=False) == "no" and measured == ["cpu", "cpu"]
 
 
+@pytest.mark.parametrize("option", [dict(adam_beta1=1.0), dict(adam_beta2=1.5), dict(adam_epsilon=-1.0)])
+def test_adam_settings_are_checked_before_the_corpus_is_read(mini_corpus, tmp_path, option):
+    with pytest.raises(ValueError, match=f"{next(iter(option))} must .*§5.3"):
+        mini_run(mini_corpus, tmp_path / "refused", **option)
+
+
 def test_checkpoints_by_the_clock_alone_for_a_time_capped_run(mini_corpus, tmp_path):
     from vaswani_transformer import checkpoints as ckpt
     from vaswani_transformer.training import train

@@ -262,8 +262,10 @@ def _train(args: argparse.Namespace) -> None:
         files["train"] = tuple(args.train_files)
     if args.validation_files:
         files["validation"] = tuple(args.validation_files)
-    if bool(args.data_dir) == bool(args.dataset) and not files:
+    if (args.data_dir and args.dataset) or not (args.data_dir or args.dataset or files):
         raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
+    if args.data_dir and not Path(args.data_dir).is_dir():  # not looked up on the Hub: that is --dataset
+        raise FileNotFoundError(f"--data-dir {args.data_dir} is not a directory; a Hub dataset is --dataset.")
     options = {name: getattr(args, name) for name in _option_names(TrainingConfig)}
     options["model_overrides"] = dict(options["model_overrides"])
     config = TrainingConfig(data=args.data_dir or args.dataset or "", files=files, **options)

@@ -27,6 +27,7 @@ from .configuration_vaswani import VaswaniConfig
 # from the makers' datasheets (without sparsity), looked up by the name CUDA reports. float32 has no entry:
 # whether its products run on the matrix units (TF32) depends on settings, so its peak is not one number.
 PEAK_16_BIT_FLOPS = {
+    "H200 NVL": 835.0e12,  # before "H200": the first name found in CUDA's counts
     "H200": 989.4e12,
     "H100 NVL": 835.0e12,
     "H100 PCIe": 756.0e12,

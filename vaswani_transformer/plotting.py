@@ -145,7 +145,10 @@ def plot_learning_curve(log_path: str | Path, path: str | Path) -> Path:
         points = [(r["step"], r[key]) for r in records if key in r]
         return [s for s, _ in points], [v for _, v in points]
 
-    loss_axis.plot(*series("train_loss"), label="training loss", color="tab:blue", alpha=0.6)
+    train_steps, train_losses = series("train_loss")
+    # A run shorter than --log-steps logs one training record: a line through it alone would draw nothing.
+    marker = "." if len(train_steps) == 1 else None
+    loss_axis.plot(train_steps, train_losses, label="training loss", color="tab:blue", alpha=0.6, marker=marker)
     loss_axis.plot(*series("validation_loss"), label="validation loss", color="tab:orange", marker="o")
     loss_axis.set_xlabel("optimizer step")
     loss_axis.set_ylabel("loss (nats per target token)")

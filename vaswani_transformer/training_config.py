@@ -189,6 +189,11 @@ class TrainingConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1) (§5.3: 0.9 and 0.98), got {getattr(self, name)}.")
+        if not self.adam_epsilon >= 0.0:
+            raise ValueError(f"adam_epsilon must not be negative (§5.3: 1e-9), got {self.adam_epsilon}.")
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(
                 f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}; got {self.mixed_precision!r}."
