@@ -750,6 +750,9 @@ def child_translate(engine: str, args: argparse.Namespace, workers: int = 1) -> 
         def run_all(batches):
             return [output for outputs in map_in_workers(run, batches, workers) for output in outputs]
 
+        if workers > 1:  # every repeat forks new workers: from a warm process, as CTranslate2's workers stay warm
+            run(batches[0])
+
         def to_ids(row):  # up to and with the first </s>: what follows is filling (with </s> where <pad> is 0)
             return row[: row.index(config.eos_token_id) + 1] if config.eos_token_id in row else row
 

@@ -231,3 +231,28 @@ def test_average_keeps_the_decoding_the_run_chose(uninterrupted, tmp_path):
     assert main(["average", str(run), "--last", "2"]) == 0
     kept = GenerationConfig.from_pretrained(run)
     assert (kept.num_beams, kept.length_penalty) == (6, 1.4)
+
+
+def test_average_names_a_checkpoint_whose_record_is_unreadable(uninterrupted, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    record = ckpt.list_checkpoints(run / "checkpoints")[-1] / ckpt.STATE_NAME
+    record.write_text("{")
+    assert main(["average", str(run), "--last", "2"]) == 2
+    assert f"{record} is missing or unreadable" in capsys.readouterr().err
+
+
+def test_average_drops_the_scores_of_the_weights_it_replaces(uninterrupted, tmp_path):
+    from huggingface_hub import EvalResult, ModelCard
+
+    from vaswani_transformer.hub import write_model_card
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    score = dict(dataset_type="multi30k", dataset_name="multi30k", dataset_split="test", metric_type="sacrebleu")
+    write_model_card(run, eval_result=EvalResult(task_type="translation", metric_value=12.3, **score))
+    assert ModelCard.load(run / "README.md").data.eval_results, "as `evaluate` records a score"
+    assert main(["average", str(run), "--last", "2"]) == 0
+    card = ModelCard.load(run / "README.md")
+    assert not card.data.eval_results and "12.3" not in card.text
+    assert card.data.language == ["en", "de"], "the rest of the card stays"

@@ -66,6 +66,8 @@ def test_train_options_reach_the_training_config(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(training, "train", lambda config: seen.append(config) or tmp_path)
     required = ["--source-lang", "en", "--target-lang", "de", "--output-dir", str(tmp_path)]
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
     status = main(
         ["train", "--data-dir", "d", *required, "--max-minutes", "1.5", "--model-option", "dropout=0.2",
          "--model-option", "position_embedding_type=learned", "--report-to", "tensorboard", "--report-to", "wandb",
@@ -287,6 +289,18 @@ def test_translate_draws_the_attention_of_each_sentence_on_request(trained_model
     translations = capsys.readouterr().out.splitlines()
     assert len(translations) == 3 and translations[0] and translations[1] == "" and translations[2]
     assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["sentence-1.png", "sentence-3.png"]
+
+
+def test_attention_maps_show_the_source_as_translation_cut_it(trained_model_dir):
+    from vaswani_transformer.plotting import attention_maps
+    from vaswani_transformer.translation import load_translator
+
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    model.set_attn_implementation("eager")
+    long_source = " ".join([SENTENCE] * 80)
+    assert len(tokenizer(long_source)["input_ids"]) > tokenizer.model_max_length
+    output, source_tokens, _ = attention_maps(model, tokenizer, long_source, "Ein Hund.")
+    assert output.cross_attentions[-1].shape[-1] == len(source_tokens) == tokenizer.model_max_length
 
 
 def test_decoding_choices_follow_one_flag_and_a_later_flag_replaces_them():

@@ -138,3 +138,11 @@ def test_other_splits_are_cut_to_max_length_with_their_end_of_sentence(corpus, t
         assert max(max(split["source_length"]), max(split["target_length"])) == 16, name
         assert all(ids[-1] == tokenizer.eos_token_id for ids in [*split["input_ids"], *split["labels"]]), name
     assert len(tokenized["validation"]) == len(corpus["validation"]), "only training pairs are dropped"
+
+
+def test_a_directory_with_two_validation_sets_is_refused_not_one_kept_silently(tmp_path):
+    for stem in ("train", "val", "dev"):
+        for lang in ("en", "de"):
+            (tmp_path / f"{stem}.{lang}").write_text("A dog.\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="two validation sets, dev.en and val.en: keep one"):
+        load_parallel_corpus(str(tmp_path), "en", "de")

@@ -19,6 +19,9 @@ from vaswani_transformer.text_format import split_text
         ("<p><![CDATA[x < y]]> A dog.</p>", ["A dog."], "<p><![CDATA[x < y]]> A DOG.</p>"),
         ("<![if IE]><p>Hi</p><![endif]><!-- a note -->", ["Hi"], "<![if IE]><p>HI</p><![endif]><!-- a note -->"),
         ("<script>if (a < b) {}</script><b>Go</b>", ["Go"], "<script>if (a < b) {}</script><b>GO</b>"),
+        # End tags as written, and an unclosed script (the parser holds it back to the end) kept.
+        ("<P>Hi</P ><b>Go</b foo>", ["Hi", "Go"], "<P>HI</P ><b>GO</b foo>"),
+        ("<p>Hi</p><script>var a = 1;", ["Hi"], "<p>HI</p><script>var a = 1;"),
     ],
 )
 def test_split_text_gives_the_sentences_and_rebuild_keeps_everything_else(text, sentences, rebuilt):

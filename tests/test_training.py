@@ -231,12 +231,17 @@ def test_a_training_config_damaged_during_the_run_does_not_cost_the_averaged_mod
     assert (output / "model.safetensors").is_file() and (output / "generation_config.json").is_file()
 
 
-def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corpus, tmp_path):
+def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corpus, tmp_path, monkeypatch):
     # torch.compile (dynamic shapes, lengths padded to multiples of 8) computes the same steps to float rounding.
+    from vaswani_transformer import training
     from vaswani_transformer.training import train
 
+    # The same batches: the eager run padded as the compiled one is, the padding counted in the token budget.
+    batches = training._batches
+    monkeypatch.setattr(training, "_batches", lambda *args, pad_to=1: batches(*args[:6], pad_to=8))
     settings = dict(model_overrides={**mini_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=4)
     eager = read_log(train(mini_run(mini_corpus, tmp_path / "eager", **settings)))
+    monkeypatch.undo()
     compiled = read_log(train(mini_run(mini_corpus, tmp_path / "compiled", compile=True, peak_tflops=0.5, **settings)))
     assert AcceleratorState().dynamo_plugin.backend.value.lower() == "inductor"  # not the eager run's state
     assert [r["step"] for r in compiled] == [1, 2, 3, 4]

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
-from .hub import save_translator
+from .hub import save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
 WEIGHTS_NAME = "model.safetensors"
@@ -262,6 +262,17 @@ def publish_checkpoint(directory: Path, keep: int, protect: tuple[int, ...] = ()
     return final
 
 
+def _read_state(path: Path) -> dict:
+    state_path = path / STATE_NAME
+    try:
+        state = json.loads(state_path.read_text())
+        if not isinstance(state, dict) or not isinstance(state["files"], dict):
+            raise ValueError("not a record of a checkpoint's files")
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{state_path} is missing or unreadable ({error}).") from error
+    return state
+
+
 def verify_checkpoint(path: Path, world_size: int) -> dict:
     """Check that a checkpoint is complete and undamaged before anything is loaded from it.
 
@@ -278,12 +289,8 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
         CheckpointError: a file is missing, its checksum differs from the recorded one, or the
             checkpoint was written by a different number of processes.
     """
-    state_path = path / STATE_NAME
-    try:
-        state = json.loads(state_path.read_text())
-        files = state["files"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{state_path} is missing or unreadable ({error}).") from error
+    state = _read_state(path)
+    files = state["files"]
     # Each process resumes its own random state and, under DeepSpeed, its own part of the optimizer.
     written_by = state.get("world_size", sum(name.startswith("rng-") for name in files))
     if written_by != world_size:
@@ -421,7 +428,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         run_dir: the output directory of a training run (its config, tokenizer and `checkpoints/`).
         last: how many of the newest checkpoints to average.
         output_dir: where to write the model; default: `run_dir`, replacing its model. The run's
-            generation_config.json (the decoding chosen on its validation set) is kept.
+            generation_config.json (the decoding chosen on its validation set) is kept; its model
+            card's scores, measured on the weights replaced, are dropped.
 
     Returns:
         The directory written, loadable with `from_pretrained`.
@@ -438,7 +446,7 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
             f"Cannot average the last {last} checkpoints: {run_dir / 'checkpoints'} holds {len(available)}."
         )
     chosen = available[-last:]
-    world_size = json.loads((chosen[-1] / STATE_NAME).read_text()).get("world_size", 1)
+    world_size = _read_state(chosen[-1]).get("world_size", 1)
     for path in chosen:
         verify_checkpoint(path, world_size)
     if not (run_dir / "config.json").is_file():
@@ -451,4 +459,7 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
     if (run_dir / GENERATION_CONFIG_NAME).is_file():  # the decoding the run chose on its validation set (§6.1)
         model.generation_config = GenerationConfig.from_pretrained(run_dir)
     load_model_state(model, average_checkpoints(chosen))
-    return save_translator(model, tokenizer, output_dir or run_dir)
+    written = save_translator(model, tokenizer, output_dir or run_dir)
+    if (written / "README.md").is_file():  # the run's card: its scores were measured on the weights replaced
+        write_model_card(written, keep_results=False)
+    return written

@@ -19,6 +19,7 @@ from typing import get_args, get_origin
 
 from .convert import DEFAULT_MAX_POSITIONS
 from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty
+from .hub import COMMIT_MESSAGE
 from .serving_config import BATCH_SIZE, ENGINES, LONG_INPUTS, ServingConfig
 from .training_config import TrainingConfig
 
@@ -201,9 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
     push.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
     push.add_argument("--private", action="store_true", help="create the repository private")
-    push.add_argument(
-        "--commit-message", default="Upload Transformer translator", help="commit message (default: %(default)s)"
-    )
+    push.add_argument("--commit-message", default=COMMIT_MESSAGE, help="commit message (default: %(default)s)")
 
     average = commands.add_parser("average", help="average a run's last checkpoints into a model (§6.1)")
     average.add_argument("run_dir", metavar="OUTPUT_DIR", help="output directory of `train` (with checkpoints/)")
@@ -264,11 +263,11 @@ def _train(args: argparse.Namespace) -> None:
         files["validation"] = tuple(args.validation_files)
     if (args.data_dir and args.dataset) or not (args.data_dir or args.dataset or files):
         raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
-    if args.data_dir and not Path(args.data_dir).is_dir():  # not looked up on the Hub: that is --dataset
-        raise FileNotFoundError(f"--data-dir {args.data_dir} is not a directory; a Hub dataset is --dataset.")
     options = {name: getattr(args, name) for name in _option_names(TrainingConfig)}
     options["model_overrides"] = dict(options["model_overrides"])
     config = TrainingConfig(data=args.data_dir or args.dataset or "", files=files, **options)
+    if args.data_dir and not Path(args.data_dir).is_dir():  # not looked up on the Hub: that is --dataset
+        raise FileNotFoundError(f"--data-dir {args.data_dir} is not a directory; a Hub dataset is --dataset.")
     ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
 

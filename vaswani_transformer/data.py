@@ -1,8 +1,9 @@
 """Parallel corpora as `datasets` tables, their tokenization, and token-based batches (§5.1).
 
-Every per-sentence operation runs on Arrow tables through `datasets` (`load_dataset`, `map`),
-so a corpus of millions of sentence pairs is never held as Python objects; the batch sampler
-keeps only two integer arrays of lengths.
+Every per-sentence operation runs on Arrow tables through `datasets` (`load_dataset`, `map`);
+Hub datasets stay in `datasets`' files on disk, while text files are read into memory (as
+Python strings while they are read, then as one Arrow table). The batch sampler keeps only two
+integer arrays of lengths.
 """
 
 import codecs
@@ -39,6 +40,11 @@ def _find_split_files(data_dir: Path, source_lang: str, target_lang: str) -> dic
         if stem == "train":
             splits["train"] = (source_file, target_file)
         elif stem in VALIDATION_STEMS:
+            if "validation" in splits:
+                raise ValueError(
+                    f"{data_dir} holds two validation sets, {splits['validation'][0].name} and {source_file.name}: "
+                    "keep one of them in the directory."
+                )
             splits["validation"] = (source_file, target_file)
         elif stem.startswith("test"):
             splits[stem] = (source_file, target_file)

@@ -81,11 +81,15 @@ def ensure_writable(path: str | Path, is_file: bool = False) -> Path:
     return path
 
 
+# `push`'s commit message unless the user gives one.
+COMMIT_MESSAGE = "Upload Transformer translator"
+
+
 def push_translator(
     output_dir: str | Path,
     repo_id: str,
     private: bool = False,
-    commit_message: str = "Upload Transformer translator",
+    commit_message: str = COMMIT_MESSAGE,
     token: str | None = None,
 ) -> str:
     """`vaswani-transformer push`: upload a saved translator directory to a Hub model repository.
@@ -128,7 +132,12 @@ def push_translator(
     return commit.commit_url
 
 
-def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_result: EvalResult | None = None) -> Path:
+def write_model_card(
+    model_dir: str | Path,
+    model_id: str | None = None,
+    eval_result: EvalResult | None = None,
+    keep_results: bool = True,
+) -> Path:
     """Write (or rewrite) `README.md`, the model card, of a saved translator directory.
 
     The card has the Hub's metadata (languages, license, datasets, metrics, `pipeline_tag:
@@ -143,6 +152,7 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
         model_dir: a directory written by `train` or `save_translator`.
         model_id: the Hub id the usage example loads; default: the directory's name.
         eval_result: a new score, e.g. from `vaswani-transformer evaluate`.
+        keep_results: False when the weights changed (`average`): the scores measured on the old ones go.
 
     Returns:
         The path of the card.
@@ -155,7 +165,7 @@ def write_model_card(model_dir: str | Path, model_id: str | None = None, eval_re
     training = _read_json(model_dir / "training_config.json")
     card_path = model_dir / "README.md"
     existing = ModelCard.load(card_path).data if card_path.is_file() else ModelCardData()
-    results = existing.eval_results or []
+    results = (existing.eval_results or []) if keep_results else []
     if eval_result is not None:
         key = (eval_result.dataset_type, eval_result.dataset_split, eval_result.metric_type)
         results = [r for r in results if (r.dataset_type, r.dataset_split, r.metric_type) != key] + [eval_result]

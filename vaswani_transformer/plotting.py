@@ -38,14 +38,14 @@ def attention_maps(
         model: a translator; loaded with `attn_implementation="eager"`, the only attention
             implementation that returns weights.
         tokenizer: its tokenizer.
-        source: the source sentence.
+        source: the source sentence; cut to the tokenizer's `model_max_length`, as translation cuts it.
         target: its translation; None translates `source` with the model's generation config.
 
     Returns:
         The model output (`encoder_attentions`, `decoder_attentions`, `cross_attentions`: one
         `(1, heads, queries, keys)` tensor per layer), the source tokens and the decoder input tokens.
     """
-    inputs = tokenizer(source, return_tensors="pt").to(model.device)
+    inputs = tokenizer(source, return_tensors="pt", truncation=True).to(model.device)
     if target is None:
         decoder_input_ids = model.generate(**inputs)[:, :-1]  # the inputs that produced the translation
     else:

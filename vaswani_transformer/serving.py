@@ -639,7 +639,7 @@ class _Server(uvicorn.Server):
 def serve(
     model: str,
     config: ServingConfig | None = None,
-    engine: str = "torch",
+    engine: str = ENGINES[0],
     device: str | None = None,
     num_beams: int | None = None,
     source_lang: str | None = None,

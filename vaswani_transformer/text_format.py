@@ -26,6 +26,14 @@ class _HTMLText(HTMLParser):
     def handle_startendtag(self, tag, attrs):
         self.parts.append(self.get_starttag_text())
 
+    def parse_endtag(self, i):
+        # `handle_endtag` is given the name lowercased, without what followed it: keep the markup as written.
+        before = len(self.parts)
+        end = super().parse_endtag(i)
+        if end > i and len(self.parts) == before + 1 and isinstance(self.parts[-1], str):
+            self.parts[-1] = self.rawdata[i:end]
+        return end
+
     def handle_endtag(self, tag):
         self.parts.append(f"</{tag}>")
         self.in_code = False
@@ -76,6 +84,8 @@ def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[s
     parser = _HTMLText()
     parser.feed(text)
     parser.close()
+    if parser.rawdata:  # an unclosed script or style, which the parser holds back: code, kept as written
+        parser.parts.append(parser.rawdata)
     sentences = [" ".join(node.split()) for node in parser.texts]
 
     def rebuild(translations: list[str]) -> str:
