@@ -23,7 +23,7 @@ from transformers import (
 )
 
 import vaswani_transformer  # noqa: F401  (registers the Auto classes)
-from vaswani_transformer.data import load_parallel_corpus
+from vaswani_transformer.data import corpus_location, load_parallel_corpus
 from vaswani_transformer.hub import save_translator
 from vaswani_transformer.training import avoid_cudnn_attention
 from vaswani_transformer.training_config import TrainingConfig
@@ -124,7 +124,7 @@ def main() -> None:
     avoid_cudnn_attention()  # padded batches change shape from step to step
     trainer = build_trainer(
         args.model,
-        args.data_dir or args.dataset,
+        corpus_location(args.data_dir, args.dataset),
         args.source_lang,
         args.target_lang,
         args.output_dir,

@@ -256,3 +256,11 @@ def test_average_drops_the_scores_of_the_weights_it_replaces(uninterrupted, tmp_
     card = ModelCard.load(run / "README.md")
     assert not card.data.eval_results and "12.3" not in card.text
     assert card.data.language == ["en", "de"], "the rest of the card stays"
+
+
+def test_average_reads_checkpoints_whatever_number_of_processes_wrote_them(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    record = ckpt.list_checkpoints(run / "checkpoints")[-2] / ckpt.STATE_NAME
+    record.write_text(json.dumps({**json.loads(record.read_text()), "world_size": 2}))  # a run resumed on 1 of 2
+    assert main(["average", str(run), "--last", "2"]) == 0

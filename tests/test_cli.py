@@ -51,7 +51,9 @@ def test_train_options_are_the_training_config_fields_with_their_defaults():
     assert "(default: base)" in help_text and "(default: 37000)" in help_text and "(default: 4000)" in help_text
 
 
-def test_train_needs_one_of_max_steps_and_max_minutes_and_its_help_says_so(capsys):
+def test_train_needs_one_of_max_steps_and_max_minutes_and_its_help_says_so(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("corpus").mkdir()
     actions = {action.dest: action for action in train_parser()._actions}
     assert "--max-minutes" in actions["max_steps"].help and "--max-steps" in actions["max_minutes"].help
     assert "(default:" not in actions["max_steps"].help + actions["max_minutes"].help
@@ -148,11 +150,18 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     assert recorded.metric_value == result["bleu"] and recorded.metric_config == result["signature"]
     assert f"| sacreBLEU | {result['bleu']} |" in card.text
 
-    # A score of other decoding than the model's own leaves the card as it is.
+    # A score of other decoding than the model's own leaves the card as it is; the model's own, named, does not.
     files = ["--source", str(source), "--reference", str(reference), "--dataset-name", "multi30k"]
     assert main(["evaluate", "--model", str(trained_model_dir), *files, "--num-beams", "1"]) == 0
     assert "left as it is" in capsys.readouterr().err
     assert (trained_model_dir / "README.md").read_text() == card.content
+    from transformers import GenerationConfig
+
+    own = str(GenerationConfig.from_pretrained(trained_model_dir).num_beams)
+    assert main(["evaluate", "--model", str(trained_model_dir), *files, "--split", "again", "--num-beams", own]) == 0
+    assert "left as it is" not in capsys.readouterr().err
+    results = ModelCard.load(trained_model_dir / "README.md").data.eval_results
+    assert ("multi30k", "again") in {(r.dataset_type, r.dataset_split) for r in results}
     # Translations written over the test set's own files are refused before anything is translated.
     for given in (source, reference):
         text = given.read_text()

@@ -23,6 +23,8 @@ def test_config_rejects_impossible_values_naming_the_field():
         VaswaniConfig(layer_norm_eps=-1.0)
     with pytest.raises(ValueError, match="normalize_before must be a boolean"):
         VaswaniConfig(normalize_before="false")  # a string, and a true one
+    with pytest.raises(ValueError, match="tie_word_embeddings must be a boolean"):
+        VaswaniConfig(tie_word_embeddings="False")  # what `--model-option tie_word_embeddings=False` gives
     with pytest.raises(ValueError, match="Unknown preset"):
         VaswaniConfig.from_preset("huge")
 

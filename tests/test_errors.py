@@ -97,7 +97,7 @@ def test_parallel_files_with_different_line_counts_name_both_files_and_counts(tm
     "corpus, fragments",
     [
         (["--data-dir", "data/multi30K"], ["--data-dir data/multi30K is not a directory", "--dataset"]),
-        (["--data-dir", ".", "--dataset", "org/c", "--train-files", "a", "b"], ["exactly one of --data-dir"]),
+        (["--data-dir", ".", "--dataset", "org/c", "--train-files", "a", "b"], ["one of --data-dir and --dataset"]),
     ],
 )
 def test_the_corpus_options_are_not_mixed_up(tmp_path, capsys, monkeypatch, corpus, fragments):

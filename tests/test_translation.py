@@ -64,13 +64,15 @@ def test_validation_bleu_scores_beam_search_and_always_leaves_the_model_training
     assert model.training
 
 
-@needs_fork
 def test_translate_refuses_one_string_for_a_list_of_sentences(trained_model_dir):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     with pytest.raises(TypeError, match=r"translate\(model, tokenizer, \[sentence\]\)"):
         translate(model, tokenizer, "A dog runs.")
+    with pytest.raises(TypeError, match="lines of text"):
+        next(translate_stream(model, tokenizer, "A dog runs."))
 
 
+@needs_fork
 def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus, monkeypatch):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     sources = corpus["test_2016_flickr"]["en"][:40]

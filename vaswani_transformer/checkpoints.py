@@ -273,14 +273,15 @@ def _read_state(path: Path) -> dict:
     return state
 
 
-def verify_checkpoint(path: Path, world_size: int) -> dict:
+def verify_checkpoint(path: Path, world_size: int | None) -> dict:
     """Check that a checkpoint is complete and undamaged before anything is loaded from it.
 
     See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Args:
         path: a `step-<N>` directory.
-        world_size: the number of processes that will resume from it (one RNG state each).
+        world_size: the number of processes that will resume from it (one RNG state each); None
+            where only its weights are read (`average`), whatever number of processes wrote it.
 
     Returns:
         Its `trainer_state.json`.
@@ -293,12 +294,13 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
     files = state["files"]
     # Each process resumes its own random state and, under DeepSpeed, its own part of the optimizer.
     written_by = state.get("world_size", sum(name.startswith("rng-") for name in files))
-    if written_by != world_size:
+    if world_size is not None and written_by != world_size:
         raise _ProcessCountError(
             f"{path} was written by {written_by} processes, not {world_size}: resume with the same number of "
             f"processes ({written_by})."
         )
-    expected = {WEIGHTS_NAME, OPTIMIZER_NAME, *(f"rng-{rank}.safetensors" for rank in range(world_size))}
+    ranks = range(world_size) if world_size is not None else ()  # None: only the weights are read
+    expected = {WEIGHTS_NAME, OPTIMIZER_NAME, *(f"rng-{rank}.safetensors" for rank in ranks)}
     if not expected <= files.keys():
         raise CheckpointError(f"{path} is incomplete: its record lacks {sorted(expected - files.keys())}.")
     for name, digest in files.items():
@@ -446,9 +448,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
             f"Cannot average the last {last} checkpoints: {run_dir / 'checkpoints'} holds {len(available)}."
         )
     chosen = available[-last:]
-    world_size = _read_state(chosen[-1]).get("world_size", 1)
     for path in chosen:
-        verify_checkpoint(path, world_size)
+        verify_checkpoint(path, world_size=None)
     if not (run_dir / "config.json").is_file():
         raise ValueError(
             f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "

@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from .data import corpus_location
     from .hub import ensure_writable
     from .training import train
 
@@ -261,13 +262,12 @@ def _train(args: argparse.Namespace) -> None:
         files["train"] = tuple(args.train_files)
     if args.validation_files:
         files["validation"] = tuple(args.validation_files)
-    if (args.data_dir and args.dataset) or not (args.data_dir or args.dataset or files):
-        raise ValueError("Give the corpus with exactly one of --data-dir, --dataset, or --train-files.")
+    if not (args.data_dir or args.dataset or files):
+        raise ValueError("Give the corpus with one of --data-dir, --dataset, or --train-files.")
     options = {name: getattr(args, name) for name in _option_names(TrainingConfig)}
     options["model_overrides"] = dict(options["model_overrides"])
-    config = TrainingConfig(data=args.data_dir or args.dataset or "", files=files, **options)
-    if args.data_dir and not Path(args.data_dir).is_dir():  # not looked up on the Hub: that is --dataset
-        raise FileNotFoundError(f"--data-dir {args.data_dir} is not a directory; a Hub dataset is --dataset.")
+    config = TrainingConfig(data="", files=files, **options)  # the options' checks first, before the corpus's
+    config.data = corpus_location(args.data_dir, args.dataset)
     ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
 
@@ -316,7 +316,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     report = {"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}
     report.update(bleu_lowercased=round(lowercased["score"], 2), signature_lowercased=lowercased["signature"])
     print(json.dumps(report))
-    if _generate_kwargs(args) and not args.no_model_card:
+    own = model.generation_config
+    other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
+    if Path(args.model).is_dir() and not args.no_model_card and other_decoding:
         print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
     elif Path(args.model).is_dir() and not args.no_model_card:
         from huggingface_hub import EvalResult
@@ -450,8 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, or 2 after one line on stderr for an expected failure (a ValueError,
-        OSError, ImportError, MemoryError or BrokenExecutor: a bad path or value, a full device, an
-        optional dependency not installed, a worker of `--num-workers` killed). Invalid options exit with
+        OSError, MemoryError or BrokenExecutor, or the ImportError of an optional dependency not
+        installed: a bad path or value, a full device, a missing extra, a worker of `--num-workers`
+        killed). Invalid options exit with
         status 2 through argparse (SystemExit).
     """
     args = build_parser().parse_args(argv)
@@ -468,6 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command(args)
     except (ValueError, OSError, ImportError, MemoryError, BrokenExecutor) as error:
+        # The package says which extra to install by chaining the ImportError it explains
+        # (`raise ImportError(advice) from error`); any other ImportError is a bug, shown with its traceback.
+        if isinstance(error, ImportError) and not isinstance(error.__cause__, ImportError):
+            raise
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -132,7 +132,8 @@ class VaswaniConfig(PretrainedConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
-        for name in ("normalize_before", "scale_embedding", "attention_bias", "add_final_logits_bias"):
+        switches = ("normalize_before", "scale_embedding", "attention_bias", "add_final_logits_bias")
+        for name in (*switches, "tie_word_embeddings", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"VaswaniConfig.{name} must be a boolean (true or false), got {getattr(self, name)!r}."

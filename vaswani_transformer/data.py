@@ -117,6 +117,21 @@ def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> It
             ) from None
 
 
+def corpus_location(data_dir: str | None, dataset: str | None) -> str:
+    """`load_parallel_corpus`'s `data` from a command line's `--data-dir` or `--dataset` ("" for neither).
+
+    Raises:
+        ValueError: both are given.
+        FileNotFoundError: `data_dir` is not a directory (a typo such as `data/multi30K` would
+            otherwise be looked up as a Hub dataset, which is `--dataset`).
+    """
+    if data_dir and dataset:
+        raise ValueError("Give the corpus with one of --data-dir and --dataset, not both.")
+    if data_dir and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir {data_dir} is not a directory; a Hub dataset is --dataset.")
+    return data_dir or dataset or ""
+
+
 def load_parallel_corpus(
     data: str | os.PathLike,
     source_lang: str,

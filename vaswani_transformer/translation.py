@@ -388,6 +388,8 @@ def translate_stream(
 
     See docs/performance.md, "Translating in worker processes".
     """
+    if isinstance(lines, str):  # else each character would be translated as a line of its own
+        raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
     _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
 
