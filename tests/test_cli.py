@@ -114,7 +114,8 @@ def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_
     chosen = ServingConfig(**{name: getattr(args, name) for name in config_fields})
     assert (chosen.port, chosen.access_log, chosen.long_inputs, chosen.threads) == (0, False, "truncate", 1)
     assert chosen.char_limit == defaults.char_limit and chosen.batch_wait_ms == defaults.batch_wait_ms
-    for option, value in [("--char-limit", "0"), ("--batch-wait-ms", "-1"), ("--threads", "0")]:
+    refused = [("--char-limit", "0"), ("--batch-wait-ms", "-1"), ("--batch-wait-ms", "inf"), ("--threads", "0")]
+    for option, value in refused:
         assert main(["serve", "no-such-model", option, value]) == 2
         error = capsys.readouterr().err
         assert option in error and value in error and len(error.strip().splitlines()) == 1

@@ -347,7 +347,7 @@ def test_impossible_config_values_name_the_field(values, message, tmp_path):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--batch-wait-ms", "-1", "--batch-wait-ms must be 0 or more milliseconds, got -1.0"),
+        ("--batch-wait-ms", "-1", "--batch-wait-ms must be 0 to 60,000 milliseconds, got -1.0"),
         ("--max-batch-tokens", "0", "--max-batch-tokens must be at least 1, got 0"),
         ("--batch-limit", "0", "--batch-limit must be at least 1, got 0"),
         ("--threads", "0", "--threads must be at least 1, got 0"),

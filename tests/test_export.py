@@ -115,6 +115,18 @@ def test_the_ctranslate2_engine_takes_the_length_penalty_asked_for(trained_model
     assert sum(a == b for a, b in zip(longer, expected, strict=True)) >= 0.9 * len(sources)
 
 
+def test_the_ctranslate2_engine_stops_at_max_new_tokens_as_generate_does(trained_model_dir, exported, corpus):
+    from vaswani_transformer.export import CTranslate2Engine
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    config = GenerationConfig.from_pretrained(trained_model_dir)
+    config.max_new_tokens = 5
+    sources = corpus["test_2016_flickr"]["en"][:16]
+    translations = CTranslate2Engine(exported, tokenizer, config).translate(sources)
+    lengths = [len(tokenizer(text_target=t, add_special_tokens=False)["input_ids"]) for t in translations]
+    assert max(lengths) <= 5 < max(len(s.split()) for s in sources), "cut where generate() cuts"
+
+
 def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, exported):
     engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
     with pytest.raises(ValueError, match="num_beams"):

@@ -191,8 +191,9 @@ class CTranslate2Engine:
     two searches still differ in details (which candidates may end at a step, ties), so a few
     sentences in a hundred may come out otherwise (docs/serving.md counts them on Multi30k). The
     output is at most the batch's longest source + `max_length_b` (50) tokens,
-    where `generate()` limits each sentence by its own source, and sources and outputs at most the
-    export's `max_positions` (recorded beside it; 1,024 for exports that predate the record).
+    where `generate()` limits each sentence by its own source, and at most the generation config's
+    `max_new_tokens`, as with `generate()`; sources and outputs at most the export's
+    `max_positions` (recorded beside it; 1,024 for exports that predate the record).
 
     Args:
         ct2_dir: a directory written by `export_ctranslate2`.
@@ -228,6 +229,7 @@ class CTranslate2Engine:
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
         b = getattr(generation_config, "max_length_b", None)
         self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
+        self.max_new_tokens = generation_config.max_new_tokens  # generate()'s cap on every batch, as there
         # The export's position table bounds sources and outputs alike.
         self.max_positions = _export_settings(Path(ct2_dir))["max_positions"]
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
@@ -250,7 +252,9 @@ class CTranslate2Engine:
             length_penalty=0.0 if self.gnmt else self.length_penalty,
             num_hypotheses=self.beam_size if self.gnmt else 1,
             return_scores=self.gnmt,
-            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_positions),
+            max_decoding_length=min(
+                max(map(len, tokens)) + self.extra_length, self.max_new_tokens or self.max_positions, self.max_positions
+            ),
             max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
             max_batch_size=len(tokens),
         )
@@ -292,7 +296,12 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
 
         local = Path(snapshot_download(model))
     target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
-    if (target / "model.bin").is_file() and _export_settings(target).get("weights_sha256") == _weights_digest(local):
+    digest = _weights_digest(local)
+    if (
+        (target / "model.bin").is_file()
+        and digest is not None
+        and _export_settings(target).get("weights_sha256") == digest
+    ):
         return target
     _check_holds_no_other_files(target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import queue
+import re
 import signal
 import socket
 import threading
@@ -431,7 +432,7 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
     alternatives = fields.get("alternatives")
     if alternatives is None or alternatives == "":
         alternatives = 0
-    elif isinstance(alternatives, str) and alternatives.strip().isdigit():  # form fields are strings
+    elif isinstance(alternatives, str) and re.fullmatch(r"\s*[0-9]{1,9}\s*", alternatives):  # form fields: strings
         alternatives = int(alternatives)
     elif not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
         raise RequestError(f"Invalid request: alternatives must be a whole number, 0 or more, got {alternatives!r}")
@@ -548,7 +549,10 @@ def create_app(
     async def post_translate(request: Request) -> JSONResponse:
         fields = await _request_fields(request, limits.body_bytes())
         checked = parse_translate_request(fields, languages, limits)
-        splits = [split_text(text, checked.format) for text in checked.texts]
+        try:
+            splits = [split_text(text, checked.format) for text in checked.texts]
+        except ValueError as error:  # markup the HTML parser cannot read
+            raise RequestError(f"Invalid request: {error}") from error
         sentences = [sentence for found, _ in splits for sentence in found]
         lengths = [len(ids) for ids in counter(sentences, verbose=False)["input_ids"]] if sentences else []
         if limits.source_limit is not None and limits.long_inputs == "error":

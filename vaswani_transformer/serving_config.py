@@ -63,8 +63,8 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be a TCP port from 0 (the system chooses) to 65535, got {self.port}.")
-        if self.batch_wait_ms < 0:
-            raise ValueError(f"--batch-wait-ms must be 0 or more milliseconds, got {self.batch_wait_ms}.")
+        if not 0 <= self.batch_wait_ms <= 60_000:  # a wait the queue can time (inf would never answer)
+            raise ValueError(f"--batch-wait-ms must be 0 to 60,000 milliseconds, got {self.batch_wait_ms}.")
         for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")

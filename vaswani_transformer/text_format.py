@@ -77,13 +77,19 @@ def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[s
 
     Returns:
         (sentences, rebuild), where `rebuild(translations)` gives the translated text.
+
+    Raises:
+        ValueError: HTML that Python's parser cannot read (some `<![` sections).
     """
     if text_format == "text":
         lines = re.split(r"\r?\n", text)
         return lines, "\n".join
     parser = _HTMLText()
-    parser.feed(text)
-    parser.close()
+    try:
+        parser.feed(text)
+        parser.close()
+    except AssertionError as error:  # Python's parser asserts on some marked sections, e.g. "<![ x"
+        raise ValueError(f"the HTML cannot be parsed ({error or 'an unreadable <![ section'})") from error
     if parser.rawdata:  # an unclosed script or style, which the parser holds back: code, kept as written
         parser.parts.append(parser.rawdata)
     sentences = [" ".join(node.split()) for node in parser.texts]
