@@ -364,3 +364,32 @@ def test_an_explicit_max_length_bounds_the_output_as_in_transformers(tokenizer, 
     assert model.generate(**inputs, max_length=6).shape == (4, 6)
     assert model.generate(**inputs, generation_config=GenerationConfig(max_length=6)).shape == (4, 6)
     assert model.generate(**inputs, max_length=6, num_beams=1).shape == (4, 6)
+
+
+def test_stopping_criteria_and_special_tokens_of_the_call_are_honoured_as_in_transformers(tokenizer, test_sentences):
+    from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    model = random_model(tokenizer, seed=11)
+    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
+
+    def both(**options):  # our generate(), and transformers' loop (asked for a dict of outputs)
+        ours = model.generate(**inputs, **options)
+        return ours, model.generate(**inputs, **options, return_dict_in_generate=True).sequences
+
+    for criterion in (MaxLengthCriteria(max_length=4), EosTokenCriteria(eos_token_id=5)):
+        ours, reference = both(stopping_criteria=StoppingCriteriaList([criterion]))
+        assert torch.equal(ours, reference), type(criterion).__name__
+    # The per-sentence limit (§6.1) ends a sentence with this call's </s>, not the model's.
+    ended = model.generate(**inputs, eos_token_id=5, max_length_b=3, num_beams=1)
+    assert all(5 in row.tolist() for row in ended)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(**inputs, max_new_tokens=0)
+
+
+def test_learned_positions_cap_the_length_without_raising_max_length(tokenizer, test_sentences):
+    model = random_model(tokenizer, seed=11, position_embedding_type="learned", max_position_embeddings=100)
+    config = model.generation_config
+    config.max_new_tokens = config.max_length_a = config.max_length_b = None
+    config.max_length = 10
+    inputs = tokenizer(test_sentences[0][:2], padding=True, return_tensors="pt")
+    assert model.generate(**inputs, num_beams=1).shape[1] <= 10

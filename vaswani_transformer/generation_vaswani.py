@@ -23,6 +23,7 @@ from transformers.generation import (
     LogitsProcessor,
     LogitsProcessorList,
     MaxLengthCriteria,
+    StoppingCriteria,
     StoppingCriteriaList,
     logits_process,
 )
@@ -222,18 +223,17 @@ class VaswaniGenerationMixin(GenerationMixin):
         source = inputs if inputs is not None else kwargs.get("input_ids")
         if a is not None and b is not None and source is not None:
             mask = kwargs.get("attention_mask")
-            source_lengths = mask.sum(-1) if mask is not None else source.ne(self.config.pad_token_id).sum(-1)
+            pad = kwargs.get("pad_token_id", config.pad_token_id)
+            source_lengths = mask.sum(-1) if mask is not None else source.ne(pad).sum(-1)
             limits = (a * source_lengths + b).long()
-            logits_processor = LogitsProcessorList(
-                [*(logits_processor or []), SourceLengthLimit(limits, config.eos_token_id)]
-            )
-            longest = int(limits.max()) + 1  # room for the final </s>
-            kwargs["max_new_tokens"] = min(longest, kwargs.get("max_new_tokens") or config.max_new_tokens or longest)
+            eos = kwargs.get("eos_token_id", config.eos_token_id)
+            eos = eos[0] if isinstance(eos, (list, tuple)) else eos  # the first of several ends a sentence
+            logits_processor = LogitsProcessorList([*(logits_processor or []), SourceLengthLimit(limits, eos)])
+            _cap_new_tokens(kwargs, config, int(limits.max()) + 1)  # room for the final </s>
         if self.config.position_embedding_type == "learned":
             # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of
             # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
-            limit = self.config.max_position_embeddings
-            kwargs["max_new_tokens"] = min(limit, kwargs.get("max_new_tokens") or config.max_new_tokens or limit)
+            _cap_new_tokens(kwargs, config, self.config.max_position_embeddings)
         alpha = kwargs.get("length_penalty", config.length_penalty)
         if alpha is not None:
             check_length_penalty(alpha)
@@ -273,7 +273,30 @@ class VaswaniGenerationMixin(GenerationMixin):
         return past_key_values
 
 
+def _cap_new_tokens(kwargs: dict, config: GenerationConfig, cap: int) -> None:
+    # Lower this call's limit on new tokens to `cap`, never raise it: the limit is the call's
+    # max_new_tokens, else the config's, else what the config's max_length leaves after the prompt.
+    current = kwargs.get("max_new_tokens")
+    if current is None:
+        current = config.max_new_tokens
+    if current is None and config.max_length is not None:
+        prompt = kwargs.get("decoder_input_ids")
+        current = config.max_length - (1 if prompt is None else prompt.shape[1])
+    kwargs["max_new_tokens"] = cap if current is None else min(cap, current)
+
+
 # The fast beam search and its cache ---------------------------------------------------------------
+
+
+def _default_criterion(criterion: StoppingCriteria, config: GenerationConfig) -> bool:
+    # `beam_search` stops at the config's max_length and </s>; a user's criterion of the same kind
+    # replaces transformers' own, and is then honoured only by HF's loop.
+    if isinstance(criterion, MaxLengthCriteria):
+        return criterion.max_length == config.max_length
+    if isinstance(criterion, EosTokenCriteria):
+        ours = torch.as_tensor(criterion.eos_token_id).flatten().cpu()
+        return torch.equal(ours, config._eos_token_tensor.flatten().cpu())
+    return False
 
 
 def _plain_beam_search(
@@ -293,7 +316,7 @@ def _plain_beam_search(
         and not config.return_dict_in_generate
         and config._eos_token_tensor is not None
         and not synced_gpus
-        and all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
+        and all(_default_criterion(c, config) for c in stopping_criteria)
         and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
         # `beam_search` replaces the self-attention cache and fills the cross-attention one: both must be
         # empty, and the first the default dynamic cache (not a static or offloaded one the user asked for).
