@@ -318,9 +318,10 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(report))
     own = model.generation_config
     other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
-    if Path(args.model).is_dir() and not args.no_model_card and other_decoding:
+    record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
+    if record and other_decoding:
         print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
-    elif Path(args.model).is_dir() and not args.no_model_card:
+    elif record:
         from huggingface_hub import EvalResult
 
         from .hub import write_model_card

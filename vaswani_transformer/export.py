@@ -229,9 +229,9 @@ class CTranslate2Engine:
         self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
         b = getattr(generation_config, "max_length_b", None)
         self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
-        self.max_new_tokens = generation_config.max_new_tokens  # generate()'s cap on every batch, as there
-        # The export's position table bounds sources and outputs alike.
+        # The export's position table bounds sources and outputs alike; generate()'s max_new_tokens every batch.
         self.max_positions = _export_settings(Path(ct2_dir))["max_positions"]
+        self.max_output = min(generation_config.max_new_tokens or self.max_positions, self.max_positions)
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
 
     def translate(self, sentences: list[str]) -> list[str]:
@@ -252,9 +252,7 @@ class CTranslate2Engine:
             length_penalty=0.0 if self.gnmt else self.length_penalty,
             num_hypotheses=self.beam_size if self.gnmt else 1,
             return_scores=self.gnmt,
-            max_decoding_length=min(
-                max(map(len, tokens)) + self.extra_length, self.max_new_tokens or self.max_positions, self.max_positions
-            ),
+            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_output),
             max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
             max_batch_size=len(tokens),
         )

@@ -276,9 +276,7 @@ class VaswaniGenerationMixin(GenerationMixin):
 def _cap_new_tokens(kwargs: dict, config: GenerationConfig, cap: int) -> None:
     # Lower this call's limit on new tokens to `cap`, never raise it: the limit is the call's
     # max_new_tokens, else the config's, else what the config's max_length leaves after the prompt.
-    current = kwargs.get("max_new_tokens")
-    if current is None:
-        current = config.max_new_tokens
+    current = kwargs["max_new_tokens"] if kwargs.get("max_new_tokens") is not None else config.max_new_tokens
     if current is None and config.max_length is not None:
         prompt = kwargs.get("decoder_input_ids")
         current = config.max_length - (1 if prompt is None else prompt.shape[1])
@@ -294,8 +292,8 @@ def _default_criterion(criterion: StoppingCriteria, config: GenerationConfig) ->
     if isinstance(criterion, MaxLengthCriteria):
         return criterion.max_length == config.max_length
     if isinstance(criterion, EosTokenCriteria):
-        ours = torch.as_tensor(criterion.eos_token_id).flatten().cpu()
-        return torch.equal(ours, config._eos_token_tensor.flatten().cpu())
+        ours = torch.as_tensor(criterion.eos_token_id).view(-1).cpu()
+        return torch.equal(ours, config._eos_token_tensor.view(-1).cpu())
     return False
 
 
