@@ -5,6 +5,7 @@ small model trained on Multi30k (`trained_model_dir`); its translations are comp
 `generate()`'s for the same real test sentences.
 """
 
+import http.client
 import json
 import os
 import shutil
@@ -215,6 +216,33 @@ def test_bad_input_is_answered_4xx_with_a_message_naming_the_field_and_the_serve
     assert set(answer) == {"error"}
     assert all(word in answer["error"] for word in words), answer["error"]
     assert server.process.poll() is None
+    assert call(f"{server.url}/health")[0] == 200
+
+
+def _chunked_multipart(url: str, fields: list[tuple[str, str]]) -> tuple[int, object]:
+    """POST `fields` as multipart/form-data with no Content-Length (Transfer-Encoding: chunked), one chunk a field."""
+    boundary = "vaswani-boundary"
+    chunks = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in fields
+    ] + [f"--{boundary}--\r\n".encode()]
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        content_type = f"multipart/form-data; boundary={boundary}"
+        connection.request("POST", parts.path, iter(chunks), {"Content-Type": content_type}, encode_chunked=True)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_chunked_multipart_body_is_held_to_the_body_limit(server, sentences, references):
+    fields = [("q", sentences[0]), ("source", "en"), ("target", "de")]
+    assert _chunked_multipart(f"{server.url}/translate", fields) == (200, {"translatedText": references[sentences[0]]})
+    # Four parts of 30,000 bytes: each under the server's 77,536-byte limit (--char-limit 1000), together over it.
+    status, answer = _chunked_multipart(f"{server.url}/translate", fields + [("padding", "x" * 30_000)] * 4)
+    assert status == 413 and "bytes" in answer["error"], answer
     assert call(f"{server.url}/health")[0] == 200
 
 

@@ -446,14 +446,19 @@ async def _request_fields(request: Request, max_bytes: int) -> dict:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise RequestError(f"Invalid request: the body has {declared} bytes, more than {max_bytes}", 413)
-    if kind == "multipart/form-data":
-        form = await request.form(max_files=0, max_part_size=max_bytes)
-        return fields | {key: values if len(values) > 1 else values[0] for key, values in _multi(form)}
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
             raise RequestError(f"Invalid request: the body has more than {max_bytes} bytes", 413)
+    if kind == "multipart/form-data":
+        # Parsed from the bytes read under the cap: a chunked body declares no length, and Starlette's parser
+        # caps each part, not their sum.
+        async def receive() -> dict:
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        form = await Request(request.scope, receive).form(max_files=0, max_part_size=max_bytes)
+        return fields | {key: values if len(values) > 1 else values[0] for key, values in _multi(form)}
     if kind == "application/x-www-form-urlencoded":
         try:
             form = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=10_000, errors="strict")
