@@ -64,6 +64,11 @@ def test_export_refuses_to_overwrite_and_explains(trained_model_dir, exported, c
     assert "--force" in capsys.readouterr().err
 
 
+def _flip_weights(model_dir):
+    weights = model_dir / "model.safetensors"
+    save_file({name: tensor.flip(0) for name, tensor in load_file(weights).items()}, weights, metadata={"format": "pt"})
+
+
 def test_a_cached_export_is_made_again_for_other_weights_of_the_same_size_and_time(trained_model_dir, tmp_path):
     # A checkpoint copied over the model (`cp -p` keeps its time) must not be translated by the old export.
     model_dir = tmp_path / "model"
@@ -73,10 +78,44 @@ def test_a_cached_export_is_made_again_for_other_weights_of_the_same_size_and_ti
     assert ctranslate2_export(str(model_dir)) == first and (first / "model.bin").stat().st_mtime_ns == made  # reused
     weights = model_dir / "model.safetensors"
     stat = weights.stat()
-    save_file({name: tensor.flip(0) for name, tensor in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    _flip_weights(model_dir)
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
     assert (ctranslate2_export(str(model_dir)) / "model.bin").read_bytes() != exported_bytes
+
+
+def test_weights_replaced_during_an_export_are_not_recorded_as_exported(trained_model_dir, tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model_dir, model_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    convert = ctranslate2.converters.TransformersConverter.convert
+
+    def convert_then_replace_the_weights(self, *args, **kwargs):
+        output = convert(self, *args, **kwargs)
+        _flip_weights(model_dir)  # a checkpoint copied over the model while it was being converted
+        return output
+
+    monkeypatch.setattr(ctranslate2.converters.TransformersConverter, "convert", convert_then_replace_the_weights)
+    old_export = (ctranslate2_export(str(model_dir)) / "model.bin").read_bytes()
+    monkeypatch.undo()
+    assert (ctranslate2_export(str(model_dir)) / "model.bin").read_bytes() != old_export  # made again
+
+
+def test_two_exports_at_once_both_end_with_the_export(trained_model_dir, tmp_path, monkeypatch):
+    # The other export (a thread or process) finishes between this one's removal of the old export and its rename.
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained_model_dir, model_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    target, rmtree, other = model_dir / "ctranslate2", shutil.rmtree, []
+
+    def remove_then_let_the_other_export_finish(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        if path == target and not other:
+            other.append("started")
+            other.append(ctranslate2_export(str(model_dir)))
+
+    monkeypatch.setattr(shutil, "rmtree", remove_then_let_the_other_export_finish)
+    assert ctranslate2_export(str(model_dir)) == target and other == ["started", target]
+    assert (target / "model.bin").is_file()
+    assert not [path.name for path in model_dir.iterdir() if "partial" in path.name]  # no private copy left
 
 
 def test_translate_with_the_ctranslate2_engine_gives_nearly_all_the_torch_translations(

@@ -146,11 +146,12 @@ def export_ctranslate2(
     if max_positions < 1:
         raise ValueError(f"max_positions must be a positive number of tokens, got {max_positions}.")
     _, ct2 = _import_ctranslate2()
+    # Taken before converting: weights replaced during the conversion must not be recorded as exported.
+    settings = {"max_positions": max_positions, "weights_sha256": _weights_digest(model_dir)}
     with _EXPORT_LOCK:
         _register_loader(max_positions)
         converter = ct2.TransformersConverter(str(model_dir))
         exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
-    settings = {"max_positions": max_positions, "weights_sha256": _weights_digest(model_dir)}
     (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps(settings) + "\n")
     return exported
 
@@ -170,6 +171,15 @@ def _weights_digest(model_dir: Path) -> str | None:
         with path.open("rb") as stream:
             digest.update(hashlib.file_digest(stream, "sha256").digest())
     return digest.hexdigest() if files else None
+
+
+def _made_from(ct2_dir: Path, digest: str | None) -> bool:
+    # Whether `ct2_dir` holds an export of the weights whose `_weights_digest` is `digest`.
+    return (
+        (ct2_dir / "model.bin").is_file()
+        and digest is not None
+        and _export_settings(ct2_dir).get("weights_sha256") == digest
+    )
 
 
 def _export_settings(ct2_dir: Path) -> dict:
@@ -283,9 +293,10 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
         ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model (it is
             never overwritten then), or from `export_ctranslate2`.
 
+        OSError: from `export_ctranslate2`.
+
     An export is reused while the weights it was made from (their SHA-256, recorded beside it) are
     the model's; exports that predate the record are made again.
-        OSError: from `export_ctranslate2`.
     """
     if Path(model).is_dir():
         local = Path(model)
@@ -295,11 +306,7 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
         local = Path(snapshot_download(model))
     target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
     digest = _weights_digest(local)
-    if (
-        (target / "model.bin").is_file()
-        and digest is not None
-        and _export_settings(target).get("weights_sha256") == digest
-    ):
+    if _made_from(target, digest):
         return target
     _check_holds_no_other_files(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +316,12 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     try:
         export_ctranslate2(local, partial, force=True)
         shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
+        try:
+            partial.rename(target)
+        except OSError:
+            # Another export of these weights took the place between the two lines above: use it.
+            if not _made_from(target, digest):
+                raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("Exported %s to CTranslate2 in %s", model, target)
