@@ -307,6 +307,12 @@ def test_unknown_length_penalty_type_is_rejected(tokenizer, test_sentences):
         random_model(tokenizer).generate(**inputs, length_penalty_type="wu")
 
 
+def test_low_memory_beam_search_is_refused_as_transformers_refuses_it(tokenizer, test_sentences):
+    inputs = tokenizer(test_sentences[0][:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="low_memory"):
+        random_model(tokenizer).generate(**inputs, num_beams=4, low_memory=True)
+
+
 def test_generate_from_four_threads_at_once_gives_each_call_what_it_gives_alone(trained_model_dir, test_sentences):
     # One model serves many threads: the length penalty of one call, and its form, never reach another.
     model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()

@@ -310,6 +310,7 @@ def _plain_beam_search(
     return (
         input_ids.shape[1] == 1 < config.max_length  # the decoder start alone: a prompt needs its keys and values first
         and not config.do_sample
+        and not config.low_memory  # transformers' loop refuses it
         and config.early_stopping in (True, False, "never")
         and not config.return_dict_in_generate
         and config._eos_token_tensor is not None
