@@ -220,6 +220,26 @@ def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupt
     assert main(["average", str(uninterrupted), "--last", "9"]) == 2
 
 
+def test_the_card_names_the_checkpoints_the_weights_average(uninterrupted, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from vaswani_transformer.hub import write_model_card
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    steps = [ckpt.checkpoint_step(path) for path in ckpt.list_checkpoints(run / "checkpoints")]
+
+    def recorded() -> list[int]:
+        return json.loads((run / "training_config.json").read_text())["averaged_steps"]
+
+    assert recorded() == steps[-2:]  # the run's end averaged its last `average_last` = 2
+    assert f"last 2 checkpoints (steps {steps[-2]} to {steps[-1]})" in ModelCard.load(run / "README.md").text
+    assert main(["average", str(run), "--last", "1"]) == 0
+    assert recorded() == steps[-1:]
+    card = ModelCard.load(write_model_card(run)).text  # as `evaluate` rewrites it, from the run's records
+    assert f"none (the checkpoint of step {steps[-1]} alone)" in card and "last 2 checkpoints" not in card
+
+
 def test_average_keeps_the_decoding_the_run_chose(uninterrupted, tmp_path):
     from transformers import GenerationConfig
 

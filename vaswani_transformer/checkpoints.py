@@ -420,6 +420,37 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     return {name: (total / len(files)).float() for name, total in average.items()}
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a file beside it renamed into place.
+
+    A crash at any moment leaves the old file or the new one, whole (a rename is atomic on POSIX file systems).
+    """
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def record_averaged_steps(model_dir: str | Path, checkpoints: list[Path]) -> None:
+    """Record in `model_dir`'s `training_config.json` the steps of the checkpoints its weights average (§6.1).
+
+    The model card's recipe names them (`hub.write_model_card`): `average --last M`, and a run that wrote fewer
+    checkpoints than its `average_last`, average others than the run's settings say. Nothing is written where
+    the directory holds no readable record of a run (a model saved elsewhere).
+
+    Args:
+        model_dir: a model directory written by `train` or `average`.
+        checkpoints: the averaged checkpoints (`step-<N>` directories), oldest first.
+    """
+    record = Path(model_dir) / "training_config.json"
+    try:
+        settings = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(settings, dict):
+        settings["averaged_steps"] = [checkpoint_step(path) for path in checkpoints]
+        write_text_atomically(record, json.dumps(settings, indent=2) + "\n")
+
+
 def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Path | None = None) -> Path:
     """`vaswani-transformer average`: a loadable model whose weights are the mean of a run's last checkpoints (§6.1).
 
@@ -461,6 +492,7 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         model.generation_config = GenerationConfig.from_pretrained(run_dir)
     load_model_state(model, average_checkpoints(chosen))
     written = save_translator(model, tokenizer, output_dir or run_dir)
+    record_averaged_steps(written, chosen)
     if (written / "README.md").is_file():  # the run's card: its scores were measured on the weights replaced
         write_model_card(written, keep_results=False)
     return written

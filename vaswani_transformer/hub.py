@@ -246,6 +246,16 @@ def _checkpoint_spacing(training: dict) -> str:
     return " or ".join(clocks)
 
 
+def _averaging(training: dict) -> str:
+    # The checkpoints the weights average: those recorded by whoever averaged them last (the run's end, or
+    # `average --last M`), else the run's setting.
+    steps = training.get("averaged_steps") or []
+    if len(steps) == 1:
+        return f"none (the checkpoint of step {steps[0]:,} alone)"
+    which = f" (steps {steps[0]:,} to {steps[-1]:,})" if steps else ""
+    return f"last {len(steps) or training['average_last']} checkpoints{which}, {_checkpoint_spacing(training)} apart"
+
+
 def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str]]:
     if not training:
         return [("Training", "not recorded (no training_config.json)")]
@@ -264,7 +274,7 @@ def _recipe(training: dict, last_log: dict, config: dict) -> list[tuple[str, str
         ),
         ("Regularisation", f"dropout {config['dropout']}, label smoothing {config['label_smoothing']} (§5.4)"),
         ("Precision", training["mixed_precision"]),
-        ("Checkpoint averaging", f"last {training['average_last']} checkpoints, {_checkpoint_spacing(training)} apart"),
+        ("Checkpoint averaging", _averaging(training)),
     ]
     choice = training.get("decoding_choice")
     if choice:

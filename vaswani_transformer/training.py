@@ -178,13 +178,6 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
         )
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    # Beside it, then renamed into place: a crash at any moment leaves the old file or the new one, whole.
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def _parameter_checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -397,7 +390,9 @@ class TrainingRun:
         log = self.log_path
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
         if accelerator.is_main_process:  # without what a killed run logged after its checkpoint
-            _write_atomically(log, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"]))
+            ckpt.write_text_atomically(
+                log, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"])
+            )
         if config.report_to:
             accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
         self.started = time.monotonic() - self.state["elapsed_seconds"]
@@ -734,6 +729,7 @@ class TrainingRun:
             last = ckpt.list_checkpoints(self.checkpoints_dir)[-self.config.average_last :]
             model = self._whole_model()
             ckpt.load_model_state(model, ckpt.average_checkpoints(last))
+            ckpt.record_averaged_steps(self.output_dir, last)
             self._choose_decoding(model)
             save_translator(model, self.tokenizer, self.output_dir)
             write_model_card(self.output_dir)
@@ -772,7 +768,7 @@ class TrainingRun:
             generation.length_penalty = choice["length_penalty"]
         self.accelerator.print(json.dumps({"decoding_choice": choice}))
         saved = self._record() or asdict(config)  # deleted or damaged during the run: rewritten from the settings
-        _write_atomically(
+        ckpt.write_text_atomically(
             self.output_dir / "training_config.json", json.dumps({**saved, "decoding_choice": choice}, indent=2) + "\n"
         )
 
