@@ -511,7 +511,10 @@ def test_a_truncated_weights_file_is_named_in_one_line(translator_dir, tmp_path,
 
 
 def test_a_model_directory_that_does_not_exist_is_named(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    # What HF_HUB_OFFLINE=1 sets, read when huggingface_hub was imported: no wait for a Hub out of reach.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     status, _, err = run_cli(capsys, "translate", "--model", tmp_path / "missing", "--input", _one_sentence(tmp_path))
     assert_one_line_error(status, err, str(tmp_path / "missing"), "does not exist")
     monkeypatch.chdir(tmp_path)
