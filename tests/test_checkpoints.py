@@ -62,6 +62,18 @@ def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterru
     assert not list((uninterrupted / "checkpoints").glob(".*")), "no leftovers of the atomic writes"
 
 
+def test_publishing_keeps_the_newest_checkpoints_and_refuses_to_keep_none(uninterrupted, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", checkpoints)
+    incomplete = checkpoints / ".incomplete-step-15"
+    shutil.copytree(checkpoints / "step-12", incomplete)
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        ckpt.publish_checkpoint(incomplete, keep=0)
+    assert incomplete.is_dir() and [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoints)] == [9, 12]
+    assert ckpt.publish_checkpoint(incomplete, keep=1, protect=(9,)) == checkpoints / "step-15"
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoints)] == [9, 15]
+
+
 def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(uninterrupted, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted / "checkpoints", checkpoints)

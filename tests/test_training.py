@@ -84,6 +84,10 @@ def test_checkpoint_averaging_is_the_mean_of_the_weights(tmp_path):
     save_file({"other": torch.zeros(1)}, tmp_path / "bad.safetensors")
     with pytest.raises(ValueError, match="same tensors"):
         average_checkpoints([paths[0], tmp_path / "bad.safetensors"])
+    # The same names with other shapes (another model size) would broadcast into a mean of nothing.
+    save_file({"w": torch.zeros(2), "b": torch.zeros(1)}, tmp_path / "other-size.safetensors")
+    with pytest.raises(ValueError, match="names and shapes"):
+        average_checkpoints([paths[0], tmp_path / "other-size.safetensors"])
     assert load_file(paths[0])["w"].sum() == 0
 
 

@@ -244,9 +244,19 @@ def publish_checkpoint(directory: Path, keep: int, protect: tuple[int, ...] = ()
 
     See docs/training.md, "Training at scale, and runs that survive being killed".
 
+    Args:
+        directory: the written checkpoint, `checkpoints/.incomplete-step-<N>`.
+        keep: how many of the newest checkpoints stay, the published one among them; at least 1.
+        protect: steps that stay whatever their age (the best by validation loss).
+
     Returns:
         The path of the published checkpoint, `checkpoints/step-<N>`.
+
+    Raises:
+        ValueError: `keep` is below 1 (nothing is renamed or removed then).
     """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint being published), got {keep}.")
     final = directory.parent / directory.name[len(".incomplete-") :]
     if final.exists():  # re-saving a step after a resume: the new copy replaces the old one
         retired = directory.parent / f".deleting-{final.name}"
@@ -405,7 +415,7 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
         `{name: tensor}` as `model_state` writes it.
 
     Raises:
-        ValueError: `paths` is empty or the files do not hold the same tensors.
+        ValueError: `paths` is empty or the files do not hold the same tensors (names and shapes).
     """
     if not paths:
         raise ValueError("No checkpoints to average.")
@@ -413,8 +423,11 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     average = {k: v.double() for k, v in load_file(files[0]).items()}
     for file in files[1:]:
         state = load_file(file)
-        if state.keys() != average.keys():
-            raise ValueError(f"{file} does not hold the same tensors as {files[0]}; cannot average them.")
+        if state.keys() != average.keys() or any(tensor.shape != average[n].shape for n, tensor in state.items()):
+            raise ValueError(
+                f"{file} does not hold the same tensors (names and shapes) as {files[0]}; cannot average them: "
+                "average checkpoints of one run."
+            )
         for name, tensor in state.items():
             average[name] += tensor.double()
     return {name: (total / len(files)).float() for name, total in average.items()}
@@ -424,6 +437,7 @@ def write_text_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` through a file beside it renamed into place.
 
     A crash at any moment leaves the old file or the new one, whole (a rename is atomic on POSIX file systems).
+    See docs/training.md, "Training at scale, and runs that survive being killed".
     """
     temporary = path.with_suffix(".tmp")
     temporary.write_text(text)
