@@ -43,7 +43,8 @@ class VaswaniConfig(PretrainedConfig):
         layer_norm_eps: epsilon of every LayerNorm (the paper does not give it).
         position_embedding_type: "sinusoidal" (§3.5, any length) or "learned" (Table 3 row E:
             one trained vector per position, up to `max_position_embeddings`).
-        max_position_embeddings: number of learned positions; read only when they are learned.
+        max_position_embeddings: number of learned positions (a positive int or None, checked whatever
+            the position type; sinusoidal positions ignore it, Marian's export takes it as its table size).
         normalize_before: False is the paper's post-LayerNorm, LayerNorm(x + Dropout(Sublayer(x)));
             True is pre-LayerNorm, x + Dropout(Sublayer(LayerNorm(x))) with a final LayerNorm on
             each stack. Not in the paper: an option for very deep models, which train more stably so.
@@ -64,7 +65,8 @@ class VaswaniConfig(PretrainedConfig):
     Raises:
         ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1),
             layer_norm_eps outside (0, 1), a switch not a bool, d_model odd or (with d_k or d_v unset) not
-            divisible by num_attention_heads, or an option has an unknown value; checked after aliases
+            divisible by num_attention_heads, a special token id (pad, bos, eos, decoder start) outside
+            [0, vocab_size) (bos may be None), or an option has an unknown value; checked after aliases
             (`hidden_size`, ...) and `from_pretrained`'s overrides are applied. The message names the field.
     """
 

@@ -159,9 +159,10 @@ def load_parallel_corpus(
 
     Raises:
         FileNotFoundError: a named file or directory does not exist.
-        ValueError: a file is empty, is not valid UTF-8 (the file and line are named), two aligned
-            files differ in line count (both files and counts are named), or the dataset has no
-            training split or no column for a language.
+        ValueError: `data` is a file (a directory or dataset is needed), a directory holds two
+            validation sets (`val.*` and `dev.*`), a file is empty, is not valid UTF-8 (the file and line
+            are named), two aligned files differ in line count (both files and counts are named), or the
+            dataset has no training split or no column for a language.
     """
     splits: dict[str, datasets.Dataset] = {}
     path = Path(data) if data else None

@@ -150,7 +150,7 @@ def write_model_card(
 
     Args:
         model_dir: a directory written by `train` or `save_translator`.
-        model_id: the Hub id the usage example loads; default: the directory's name.
+        model_id: the Hub id the usage example loads; default: `model_dir` as given (the title is its name).
         eval_result: a new score, e.g. from `vaswani-transformer evaluate`.
         keep_results: False when the weights changed (`average`): the scores measured on the old ones go.
 

@@ -309,7 +309,8 @@ def eager_attention_is_faster(
         decoding: whether the layer decodes incrementally (it has a cache).
 
     Returns:
-        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs; on
+        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs
+        with a mask or without causal masking (the kernel's own causal mask is not replaced); on
         CUDA, without gradients, for a decoding step in float16 or bfloat16 while cuDNN's attention is
         enabled (PyTorch's default; not after `training.avoid_cudnn_attention` has turned it off),
         with a mask, in encoder-decoder attention, or for one query. The CUDA rule was measured on one

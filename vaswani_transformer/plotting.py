@@ -35,8 +35,8 @@ def attention_maps(
     """Every layer's and head's attention weights for one sentence pair (§3.2.3).
 
     Args:
-        model: a translator; loaded with `attn_implementation="eager"`, the only attention
-            implementation that returns weights.
+        model: a translator with SDPA (the default, which spells out Eq. 1 when weights are asked
+            for) or eager attention; flash attention and other kernels return no weights.
         tokenizer: its tokenizer.
         source: the source sentence; cut to the tokenizer's `model_max_length`, as translation cuts it.
         target: its translation; None translates `source` with the model's generation config.

@@ -676,8 +676,8 @@ def serve(
     Raises:
         ImportError: the engine's package is missing.
         OSError: the address cannot be bound, or the model cannot be loaded.
-        ValueError: a model whose languages are unknown, or an unknown engine or a beam size below 1
-            (`ServingConfig` checks its own settings when it is made).
+        ValueError: a model whose languages are unknown, an unknown engine, a beam size below 1 or a
+            length penalty that is no finite number (`ServingConfig` checks its own settings when it is made).
     """
     languages = model_languages(model, source_lang, target_lang)
     config = config or ServingConfig()

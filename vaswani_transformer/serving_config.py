@@ -31,8 +31,8 @@ class ServingConfig:
     See docs/serving.md, "Serving a translator over HTTP".
 
     Raises:
-        ValueError: a negative wait, a budget, limit or thread count below 1, a port outside 0 to 65535, or an
-            unknown `long_inputs`.
+        ValueError: a wait outside 0 to 60,000 ms, a budget, limit or thread count below 1, a port outside 0
+            to 65535, or an unknown `long_inputs`.
     """
 
     host: str = option("127.0.0.1", help="address to listen on", group="server")

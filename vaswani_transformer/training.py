@@ -206,7 +206,9 @@ def train(config: TrainingConfig) -> Path:
 
     Raises:
         ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output
-            directory holds a run's checkpoints but `resume` is off, or a model but no checkpoints.
+            directory holds a run's checkpoints but `resume` is off, or a model but no checkpoints; no
+            training batch fits the settings (no pair within `max_length`, or fewer batches than
+            processes), or `max_tokens` is below the longest pair.
         OSError: the output directory cannot be written.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
@@ -234,8 +236,9 @@ class TrainingRun:
 
     Raises:
         ValueError, FileNotFoundError: the corpus cannot be read, the output directory holds a run's
-            checkpoints and `config.resume` is off (or a model and no checkpoints), or `config.update_freq`
-            is above 1 under DeepSpeed.
+            checkpoints and `config.resume` is off (or a model and no checkpoints), no training batch fits
+            the settings (no pair within `max_length`, or fewer batches than processes), `max_tokens` is
+            below the longest pair, or `config.update_freq` is above 1 under DeepSpeed.
         OSError: the output directory is not writable.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """

@@ -52,9 +52,10 @@ class TrainingConfig:
         ValueError: no budget (neither `max_steps` nor `max_minutes`); a size, budget, learning-rate scale,
             `peak_tflops` or patience that is not positive; a negative `bleu_sentences`; no checkpoint clock
             (`save_steps` and `save_minutes` both 0) or a negative one; fewer checkpoints kept than averaged;
-            an unknown `mixed_precision`; a beam size below 1 or a length penalty that is no finite number
-            to choose from; or a `model_overrides` key that is no VaswaniConfig field, is set from the
-            tokenizer, or has an impossible value.
+            Adam betas outside [0, 1) or a negative `adam_epsilon`; an unknown `mixed_precision` or
+            `preset`; a beam size below 1 or a length penalty that is no finite number to choose from; or a
+            `model_overrides` key that is no VaswaniConfig field, is set from the tokenizer, or has an
+            impossible value.
     """
 
     data: str
