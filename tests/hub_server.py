@@ -40,7 +40,7 @@ import shutil
 import sys
 import threading
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -162,7 +162,7 @@ class LocalHub:
     @staticmethod
     def _entries(files: dict[str, bytes], sha: str, expand: bool) -> dict[str, dict]:
         """Tree entries ({path: entry}) of every file and folder, as the tree and paths-info routes give them."""
-        folder_date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+        folder_date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z")
         entries = {}
         for path, content in files.items():
             entries[path] = {"type": "file", "oid": git_blob_oid(content), "size": len(content), "path": path}
@@ -215,7 +215,7 @@ class LocalHub:
         _, files, sha = self._open(kind, repo_id, rev)
         return {"_id": sha[:24], "id": repo_id, "author": repo_id.split("/")[0], "sha": sha, "private": False,
                 "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
-                "lastModified": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+                "lastModified": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
                 "siblings": [{"rfilename": path, "size": len(content), "blobId": git_blob_oid(content)}
                              for path, content in files.items()]}  # fmt: skip
 
