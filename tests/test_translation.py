@@ -73,6 +73,53 @@ def test_translate_refuses_one_string_for_a_list_of_sentences(trained_model_dir)
 
 
 @needs_fork
+def test_threads_sharing_a_tokenizer_encode_with_their_own_settings(trained_model_dir, corpus, monkeypatch):
+    # A fast tokenizer's call sets padding and truncation on its shared backend, then encodes. Thread A's padded
+    # batch is held between the two; thread B's length check (no padding) may then change the settings only if
+    # nothing keeps it out: A would encode unpadded rows of different lengths and fail to make a tensor.
+    import threading
+
+    from transformers.utils import PaddingStrategy
+
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sentences = list(corpus["test_2016_flickr"]["en"][:2])
+    assert len(tokenizer(sentences[0])["input_ids"]) != len(tokenizer(sentences[1])["input_ids"])
+    settings, a_has_set, b_has_set = tokenizer.set_truncation_and_padding, threading.Event(), threading.Event()
+
+    def set_and_hold(padding_strategy, *args, **kwargs):
+        settings(padding_strategy, *args, **kwargs)
+        padded = padding_strategy != PaddingStrategy.DO_NOT_PAD
+        if threading.current_thread().name == "A" and padded and not a_has_set.is_set():
+            a_has_set.set()
+            b_has_set.wait(timeout=2)  # B sets its own only once A's call is done, where a lock keeps it out
+        elif threading.current_thread().name == "B" and not padded:
+            b_has_set.set()
+
+    monkeypatch.setattr(tokenizer, "set_truncation_and_padding", set_and_hold)
+    results = {}
+
+    def run(name: str, batch: list[str]) -> None:
+        if name == "B":
+            a_has_set.wait(timeout=60)
+        try:
+            results[name] = translate(model, tokenizer, batch, num_beams=1, max_new_tokens=3)
+        except Exception as error:  # what the other thread did to this one's call
+            results[name] = error
+
+    threads = [
+        threading.Thread(target=run, args=args, name=args[0]) for args in (("A", sentences), ("B", [sentences[0]]))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    monkeypatch.undo()
+    assert results == {
+        "A": translate(model, tokenizer, sentences, num_beams=1, max_new_tokens=3),
+        "B": translate(model, tokenizer, [sentences[0]], num_beams=1, max_new_tokens=3),
+    }
+
+
 def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus, monkeypatch):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     sources = corpus["test_2016_flickr"]["en"][:40]

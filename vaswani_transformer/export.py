@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from .convert import DEFAULT_MAX_POSITIONS, to_marian
 from .generation_vaswani import PAPER_MAX_LENGTH_B, check_length_penalty, check_num_beams, gnmt_length_penalty
+from .tokenization import tokenizer_lock
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,8 @@ class CTranslate2Engine:
         if not indices:
             return translations
         batch = [sentences[i] for i in indices]
-        ids = self.tokenizer(batch, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
+        with tokenizer_lock(self.tokenizer):
+            ids = self.tokenizer(batch, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
         tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
         results = self.translator.translate_batch(
             tokens,

@@ -14,10 +14,12 @@ Unicode text with hypothesis), with two exceptions:
   drops them on decoding.
 """
 
+import threading
+import weakref
 from collections.abc import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .configuration_vaswani import VaswaniConfig
 
@@ -92,3 +94,22 @@ class _count_batches:
         for batch in self.batches:
             self.count += len(batch)
             yield batch
+
+
+_TOKENIZER_LOCKS: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, threading.Lock]" = weakref.WeakKeyDictionary()
+_TOKENIZER_LOCKS_LOCK = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: PreTrainedTokenizerBase) -> threading.Lock:
+    """The lock this package's calls of `tokenizer` hold, one per tokenizer object.
+
+    A call of a fast tokenizer first sets its truncation and padding on the Rust backend, which
+    every user of the object shares, then encodes: two threads calling it with other settings
+    (`translate` pads its batches, its length check does not) can encode with each other's
+    settings. Calls that hold this lock cannot; a caller's own calls of the same object with other
+    settings still can (give each thread its own `copy.deepcopy(tokenizer)` then).
+
+    See README.md, "Using a trained model".
+    """
+    with _TOKENIZER_LOCKS_LOCK:
+        return _TOKENIZER_LOCKS.setdefault(tokenizer, threading.Lock())

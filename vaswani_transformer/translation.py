@@ -27,6 +27,7 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 from .export import CTranslate2Engine
 from .generation_vaswani import check_num_beams
 from .serving_config import BATCH_SIZE, LONG_INPUTS
+from .tokenization import tokenizer_lock
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 logger = logging.getLogger(__name__)
@@ -270,7 +271,8 @@ class _Translator:
         if self.limit is None or self.warned or not sentences:  # the tokenizer fails on an empty list
             return
         # verbose=False: transformers would add its own warning about the length to ours.
-        lengths = [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]]
+        with tokenizer_lock(self.tokenizer):
+            lengths = [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]]
         too_long = next((i for i, length in enumerate(lengths) if length > self.limit), None)
         if too_long is None:
             return
@@ -293,9 +295,10 @@ class _Translator:
             return []
         if isinstance(self.model, CTranslate2Engine):
             return self.model.translate(sentences)
-        inputs = self.tokenizer(
-            sentences, return_tensors="pt", padding=True, truncation=self.limit is not None, max_length=self.limit
-        ).to(self.model.device)
+        with tokenizer_lock(self.tokenizer):
+            inputs = self.tokenizer(
+                sentences, return_tensors="pt", padding=True, truncation=self.limit is not None, max_length=self.limit
+            ).to(self.model.device)
         output_ids = self.model.generate(**inputs, **self.generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
 
