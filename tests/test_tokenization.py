@@ -1,9 +1,12 @@
 """The shared BPE vocabulary (§5.1) on the Multi30k training corpus."""
 
+import os
+
 import pytest
+from conftest import needs_fork
 from transformers import AutoTokenizer
 
-from vaswani_transformer.tokenization import SPECIAL_TOKENS, train_tokenizer
+from vaswani_transformer.tokenization import SPECIAL_TOKENS, tokenizer_lock, train_tokenizer
 
 
 def test_special_tokens_have_the_ids_the_config_expects(tokenizer):
@@ -49,3 +52,15 @@ def test_train_tokenizer_rejects_bad_input():
         train_tokenizer([["a b c"]], vocab_size=100)
     with pytest.raises(ValueError, match="empty corpus"):
         train_tokenizer([], vocab_size=1000)
+
+
+@needs_fork
+def test_a_process_forked_while_a_tokenizer_is_locked_can_lock_it(tokenizer):
+    # Workers are forked from a process whose other threads may be encoding at that moment.
+    assert tokenizer_lock(tokenizer) is tokenizer_lock(tokenizer)
+    with tokenizer_lock(tokenizer):
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if tokenizer_lock(tokenizer).acquire(timeout=5) else 1)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

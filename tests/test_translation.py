@@ -72,7 +72,6 @@ def test_translate_refuses_one_string_for_a_list_of_sentences(trained_model_dir)
         next(translate_stream(model, tokenizer, "A dog runs."))
 
 
-@needs_fork
 def test_threads_sharing_a_tokenizer_encode_with_their_own_settings(trained_model_dir, corpus, monkeypatch):
     # A fast tokenizer's call sets padding and truncation on its shared backend, then encodes. Thread A's padded
     # batch is held between the two; thread B's length check (no padding) may then change the settings only if
@@ -120,6 +119,7 @@ def test_threads_sharing_a_tokenizer_encode_with_their_own_settings(trained_mode
     }
 
 
+@needs_fork
 def test_worker_processes_translate_as_one_process_does(trained_model_dir, corpus, monkeypatch):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     sources = corpus["test_2016_flickr"]["en"][:40]

@@ -317,13 +317,14 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         export_ctranslate2(local, partial, force=True)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            partial.rename(target)
-        except OSError:
-            # Another export of these weights took the place between the two lines above: use it.
-            if not _made_from(target, digest):
-                raise
+        if not _made_from(target, digest):  # else another export of these weights finished first: keep it
+            shutil.rmtree(target, ignore_errors=True)
+            try:
+                partial.rename(target)
+            except OSError:
+                # Another export of these weights took the place between the two lines above: use it.
+                if not _made_from(target, digest):
+                    raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("Exported %s to CTranslate2 in %s", model, target)

@@ -14,6 +14,7 @@ Unicode text with hypothesis), with two exceptions:
   drops them on decoding.
 """
 
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -98,6 +99,16 @@ class _count_batches:
 
 _TOKENIZER_LOCKS: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, threading.Lock]" = weakref.WeakKeyDictionary()
 _TOKENIZER_LOCKS_LOCK = threading.Lock()
+
+
+def _new_locks_after_fork() -> None:
+    # A process forked while another thread held a lock would inherit it held, for ever: the child starts afresh.
+    global _TOKENIZER_LOCKS_LOCK
+    _TOKENIZER_LOCKS.clear()
+    _TOKENIZER_LOCKS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def tokenizer_lock(tokenizer: PreTrainedTokenizerBase) -> threading.Lock:

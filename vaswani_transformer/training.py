@@ -732,9 +732,9 @@ class TrainingRun:
             last = ckpt.list_checkpoints(self.checkpoints_dir)[-self.config.average_last :]
             model = self._whole_model()
             ckpt.load_model_state(model, ckpt.average_checkpoints(last))
-            ckpt.record_averaged_steps(self.output_dir, last)
-            self._choose_decoding(model)
+            self._choose_decoding(model)  # may rewrite training_config.json: the averaged steps go in after
             save_translator(model, self.tokenizer, self.output_dir)
+            ckpt.record_averaged_steps(self.output_dir, last)
             write_model_card(self.output_dir)
             try:
                 plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
