@@ -35,14 +35,6 @@ def test_greedy_generate_equals_a_hand_written_greedy_search(tokenizer, test_sen
         assert (generated[row, len(expected) :] == model.config.pad_token_id).all()
 
 
-def test_beam_search_with_one_beam_equals_greedy_decoding(tokenizer, test_sentences):
-    model = random_model(tokenizer, seed=6)
-    inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
-    greedy = model.generate(**inputs, num_beams=1, max_new_tokens=10)
-    beam = model.generate(**inputs, num_beams=1, length_penalty=0.6, early_stopping=True, max_new_tokens=10)
-    assert torch.equal(greedy, beam)
-
-
 def test_beam_search_uses_the_key_value_cache_and_matches_decoding_without_it(tokenizer, test_sentences):
     model = random_model(tokenizer, seed=7)
     inputs = tokenizer(test_sentences[0][:3], padding=True, return_tensors="pt")

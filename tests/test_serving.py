@@ -250,7 +250,8 @@ def test_a_sentence_over_the_models_length_limit_is_refused(server, trained_mode
     body = {"q": ["A dog.", _too_long_sentence(trained_model_dir)], "source": "en", "target": "de"}
     status, answer = call(f"{server.url}/translate", body)
     assert status == 400
-    assert "q[1]" in answer["error"] and "limit of 256" in answer["error"]
+    limit = AutoTokenizer.from_pretrained(trained_model_dir).model_max_length
+    assert "q[1]" in answer["error"] and f"limit of {limit}" in answer["error"]
 
 
 def test_unknown_paths_and_methods_answer_json_errors(server):

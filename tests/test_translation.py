@@ -40,6 +40,18 @@ def test_choose_decoding_scores_every_pair_and_keeps_the_best(trained_model_dir,
     assert model.generation_config.to_dict() == before
 
 
+def test_corpus_bleu_is_sacrebleus_corpus_bleu(corpus):
+    # Real references, and hypotheses that share some of their n-grams: each sentence cut by a third.
+    import sacrebleu
+
+    references = list(corpus["test_2016_flickr"]["de"][:40])
+    hypotheses = [" ".join(r.split()[: 2 * len(r.split()) // 3]) for r in references]
+    for lowercase, tokenize in ((False, "13a"), (True, "intl")):
+        expected = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=lowercase, tokenize=tokenize).score
+        ours = corpus_bleu(hypotheses, references, lowercase=lowercase, tokenize=tokenize)["score"]
+        assert 0 < ours < 100 and ours == pytest.approx(expected, abs=1e-9)
+
+
 def test_choose_decoding_refuses_nothing_to_choose_from(trained_model_dir, development_set):
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     with pytest.raises(ValueError, match="at least one"):
