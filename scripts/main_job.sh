@@ -18,9 +18,13 @@
 # chosen on the validation set among two (beam 4). It trains in float32 (`--mixed-precision no`, where the
 # recipe says auto): its settings were chosen, and its scores measured, in float32.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 DATA_DIR=${1:-../shared/data/multi30k}
 OUTPUT_DIR=${2:-outputs/multi30k-en-de}
+# Paths given are relative to where the script was called from; the defaults to the repository root.
+if [ $# -ge 1 ] && [[ $1 != /* ]]; then DATA_DIR=$caller/$1; fi
+if [ $# -ge 2 ] && [[ $2 != /* ]]; then OUTPUT_DIR=$caller/$2; fi
 SRC=${3:-en}
 TGT=${4:-de}
 

@@ -447,7 +447,9 @@ def _one_sentence(directory: Path) -> Path:
 
 def test_a_zero_step_or_minute_budget_is_refused_not_read_as_no_limit(multi30k_dir, tmp_path, capsys):
     required = ["train", "--data-dir", multi30k_dir, "--source-lang", "en", "--target-lang", "de"]
-    for budget in (["--max-steps", "0"], ["--max-minutes", "0"], ["--max-steps", "-3"]):
+    # TRAIN_MINUTES=nan would never stop a run: nan compares false with the clock.
+    budgets = (["--max-steps", "0"], ["--max-minutes", "0"], ["--max-steps", "-3"], ["--max-minutes", "nan"])
+    for budget in budgets:
         status, _, err = run_cli(capsys, *required, "--output-dir", tmp_path / "out", *budget)
         assert_one_line_error(status, err, budget[0][2:].replace("-", "_"), "positive")
     assert not (tmp_path / "out").exists()

@@ -49,9 +49,10 @@ class TrainingConfig:
     they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
 
     Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`); a size, budget, learning-rate scale,
-            `peak_tflops` or patience that is not positive; a negative `bleu_sentences`; no checkpoint clock
-            (`save_steps` and `save_minutes` both 0) or a negative one; fewer checkpoints kept than averaged;
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), or one that is not finite; a size,
+            budget, learning-rate scale, `peak_tflops` or patience that is not positive; a negative
+            `bleu_sentences`; no checkpoint clock (`save_steps` and `save_minutes` both 0) or a negative one;
+            fewer checkpoints kept than averaged;
             Adam betas outside [0, 1) or a negative `adam_epsilon`; an unknown `mixed_precision` or
             `preset`; a beam size below 1 or a length penalty that is no finite number to choose from; or a
             `model_overrides` key that is no VaswaniConfig field, is set from the tokenizer, or has an
@@ -173,9 +174,11 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
             raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
-        for name in ("max_steps", "max_minutes"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}; leave it out for no such limit.")
+        for name in ("max_steps", "max_minutes"):  # nan compares false with everything: it would never stop a run
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"{name} must be positive and finite, got {getattr(self, name)}; leave it out for no such limit."
+                )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}; leave it out to look it up.")
         for name in (

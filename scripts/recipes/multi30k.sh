@@ -35,14 +35,19 @@ OUTPUT_DIR=${2:?$usage}
 SRC=${3:-en}
 TGT=${4:-de}
 shift $(( $# < 4 ? $# : 4 ))
+shopt -s nullglob
+tests=("$DATA_DIR"/test*."$SRC")
+if (( ${#tests[@]} == 0 )); then  # before the training, not after it
+    echo "multi30k.sh: $DATA_DIR holds no test*.$SRC file to score the model on." >&2
+    exit 2
+fi
 
 vaswani-transformer train --data-dir "$DATA_DIR" --source-lang "$SRC" --target-lang "$TGT" --output-dir "$OUTPUT_DIR" \
     --preset tiny --model-option d_ff=512 --model-option dropout=0.2 --vocab-size 8000 --max-tokens 4096 \
     --warmup-steps 1000 --max-minutes "${TRAIN_MINUTES:-85}" --log-steps 100 --eval-steps 2000 \
     --bleu-sentences 300 --save-steps 0 --save-minutes 2 --average-last 20 --choose-num-beams 4 \
     --choose-length-penalty 0.6 1.0 1.4 1.8 2.2 2.6 3.0 --mixed-precision auto --resume "$@" >&2
-for test in "$DATA_DIR"/test*."$SRC"; do
-    [ -e "$test" ] || continue
+for test in "${tests[@]}"; do
     name=$(basename "$test" ."$SRC")
     vaswani-transformer evaluate --model "$OUTPUT_DIR" --source "$test" --reference "$DATA_DIR/$name.$TGT" \
         --output "$OUTPUT_DIR/$name.hyp.$TGT" --dataset-name "$(basename "$DATA_DIR")" --split "$name" \
