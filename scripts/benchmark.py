@@ -874,8 +874,12 @@ def main() -> None:
         )
     if args.child:
         child(args)
-    else:
-        parent(args)
+        return
+    from vaswani_transformer.configuration_vaswani import PRESETS  # not in children, which set threads first
+
+    if unknown := [preset for preset in args.presets if preset not in PRESETS]:
+        parser.error(f"--presets: unknown {' '.join(unknown)}; choose from {' '.join(PRESETS)}")
+    parent(args)
 
 
 if __name__ == "__main__":

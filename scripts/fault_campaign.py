@@ -104,7 +104,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments (default: 0)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    corpus = make_corpus(args.data_dir, args.work_dir / "corpus", 1000)
+    try:
+        corpus = make_corpus(args.data_dir, args.work_dir / "corpus", 1000)
+    except OSError as error:
+        parser.error(f"{error}: --data-dir must hold train.en, train.de, val.en and val.de")
 
     reference_dir, campaign_dir = args.work_dir / "uninterrupted", args.work_dir / "killed"
     for directory in (reference_dir, campaign_dir):

@@ -122,21 +122,24 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=200, help="BLEU on the validation split every N steps")
     args = parser.parse_args()
     avoid_cudnn_attention()  # padded batches change shape from step to step
-    trainer = build_trainer(
-        args.model,
-        corpus_location(args.data_dir, args.dataset),
-        args.source_lang,
-        args.target_lang,
-        args.output_dir,
-        max_steps=args.max_steps,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        eval_steps=args.eval_steps,
-        save_steps=args.eval_steps,
-    )
+    try:  # a bad model, corpus or setting: one line, as the command line's errors are
+        trainer = build_trainer(
+            args.model,
+            corpus_location(args.data_dir, args.dataset),
+            args.source_lang,
+            args.target_lang,
+            args.output_dir,
+            max_steps=args.max_steps,
+            learning_rate=args.learning_rate,
+            warmup_steps=args.warmup_steps,
+            per_device_train_batch_size=args.batch_size,
+            per_device_eval_batch_size=args.batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            eval_steps=args.eval_steps,
+            save_steps=args.eval_steps,
+        )
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
     trainer.train()
     save_translator(trainer.model, trainer.processing_class, args.output_dir)
     if trainer.eval_dataset is not None:

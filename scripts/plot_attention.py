@@ -28,12 +28,12 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=-1, help="layer index from 0, negative from the top (default: -1)")
     parser.add_argument("--output", type=Path, default=Path("attention.png"), help="PNG file (default: attention.png)")
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSeq2SeqLM.from_pretrained(args.model, attn_implementation="eager").eval()
-    output, source_tokens, target_tokens = attention_maps(model, tokenizer, args.source, args.target)
-    try:
+    try:  # a bad model directory, layer or output path: one line, as the command line's errors are
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForSeq2SeqLM.from_pretrained(args.model, attn_implementation="eager").eval()
+        output, source_tokens, target_tokens = attention_maps(model, tokenizer, args.source, args.target)
         print(plot_attention(output, source_tokens, target_tokens, args.kind, args.layer, args.output))
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         parser.error(str(error))
 
 

@@ -76,6 +76,20 @@ def test_publishing_keeps_the_newest_checkpoints_and_refuses_to_keep_none(uninte
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoints)] == [9, 15]
 
 
+def test_what_a_killed_run_left_half_written_or_half_deleted_is_removed_and_nothing_else(uninterrupted, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", checkpoints)
+    complete = ckpt.list_checkpoints(checkpoints)
+    half_written, half_deleted = checkpoints / ".incomplete-step-15", checkpoints / ".deleting-step-6"
+    shutil.copytree(complete[-1], half_written)
+    shutil.copytree(complete[0], half_deleted)
+    (checkpoints / "notes.txt").write_text("the user's")
+    assert sorted(ckpt.remove_leftovers(checkpoints)) == sorted([half_written, half_deleted])
+    assert not half_written.exists() and not half_deleted.exists()
+    assert ckpt.list_checkpoints(checkpoints) == complete and (checkpoints / "notes.txt").read_text() == "the user's"
+    assert ckpt.remove_leftovers(checkpoints) == []
+
+
 def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(uninterrupted, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted / "checkpoints", checkpoints)

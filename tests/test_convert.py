@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
+from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_transformer.cli import main
-from vaswani_transformer.convert import from_marian, marian_to_interleaved_permutation
+from vaswani_transformer.convert import from_marian, marian_to_interleaved_permutation, to_marian
 from vaswani_transformer.modeling_vaswani import SinusoidalPositionalEncoding
 
 
@@ -157,3 +158,20 @@ def test_marian_the_paper_cannot_express_is_refused_with_the_reason(option, reas
     )  # fmt: skip
     with pytest.raises(ValueError, match=reason):
         from_marian(MarianMTModel(config))
+
+
+def test_a_model_marian_cannot_express_is_not_exported_and_every_reason_is_named():
+    small = dict(vocab_size=60, d_model=16, d_ff=32, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
+    options = dict(
+        d_k=4, normalize_before=True, position_embedding_type="learned", layer_norm_eps=1e-6, tie_word_embeddings=False
+    )
+    reasons = ["d_k=4", "pre-LayerNorm", "learned positional", "layer_norm_eps=1e-06", "untied output projection"]
+    for option, reason in zip(options.items(), reasons, strict=True):
+        with pytest.raises(ValueError, match=f"no exact HF Marian equivalent: it has {reason}"):
+            to_marian(VaswaniForConditionalGeneration(VaswaniConfig(**small, **dict([option]))))
+    with pytest.raises(ValueError, match="; ".join(["d_k=4.*", "pre-LayerNorm.*", "learned.*"])):
+        to_marian(
+            VaswaniForConditionalGeneration(
+                VaswaniConfig(**small, d_k=4, normalize_before=True, position_embedding_type="learned")
+            )
+        )

@@ -364,3 +364,19 @@ def test_residual_dropout_drops_each_element_independently_at_rate_p_and_keeps_e
     torch.manual_seed(0)
     residual_dropout(leaf, p, training=True).sum().backward()
     torch.testing.assert_close(leaf.grad, (~dropped).float() * scale)
+
+
+def test_eq_1_is_spelled_out_on_the_cpu_for_few_queries_and_never_in_place_of_the_kernels_causal_mask():
+    def query_key(queries, keys):
+        return torch.zeros(2, 4, queries, 8), torch.zeros(2, 4, keys, 8)
+
+    mask = torch.ones(1, 1, 4, 16, dtype=torch.bool)
+    assert ops_vaswani.eager_attention_is_faster(*query_key(1, 500), None, is_causal=True)  # one query: always
+    with torch.no_grad():
+        assert ops_vaswani.eager_attention_is_faster(*query_key(4, 16), mask, is_causal=True)
+        assert ops_vaswani.eager_attention_is_faster(*query_key(32, 32), None, is_causal=False)  # 1,024 pairs
+        assert not ops_vaswani.eager_attention_is_faster(*query_key(32, 33), None, is_causal=False)
+        # The kernel's own causal mask (mask None) is not replaced by Eq. 1 unmasked.
+        assert not ops_vaswani.eager_attention_is_faster(*query_key(4, 4), None, is_causal=True)
+    # In training the two take as long: the kernel.
+    assert not ops_vaswani.eager_attention_is_faster(*query_key(4, 16), mask, is_causal=True)

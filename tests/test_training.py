@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from conftest import mini_run, read_log
+from conftest import MINI_MODEL, mini_run, read_log
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
@@ -134,6 +134,26 @@ def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, t
     assert resumed._resolve_mixed_precision(launched_on_cpus=False) == "no" and measured == ["cpu", "cpu"]
 
 
+def test_a_run_resumes_only_with_the_settings_it_started_with(mini_corpus, tmp_path):
+    from vaswani_transformer import training
+
+    output = training.train(mini_run(mini_corpus, tmp_path / "run", max_steps=2, save_steps=1))
+    checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
+    changed = mini_run(mini_corpus, output, max_steps=3, max_tokens=512, model_overrides={**MINI_MODEL, "d_ff": 128})
+    changed.resume = True
+    with pytest.raises(
+        ValueError, match=r"--model-option was .*'d_ff': 128.*; --max-tokens was 256, now 512\."
+    ) as error:
+        training.train(changed)
+    assert "training_config.json" in str(error.value) and "another --output-dir" in str(error.value)
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == checkpoints  # nothing lost
+    # The same corpus spelt another way, another attention implementation (the same function) and a longer budget.
+    eager = {**MINI_MODEL, "attn_implementation": "eager"}
+    spelt = str(mini_corpus / ".." / mini_corpus.name)
+    training.train(mini_run(mini_corpus, output, data=spelt, max_steps=3, model_overrides=eager, resume=True))
+    assert [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
+
+
 @pytest.mark.parametrize("option", [dict(adam_beta1=1.0), dict(adam_beta2=1.5), dict(adam_epsilon=-1.0)])
 def test_adam_settings_are_checked_before_the_corpus_is_read(mini_corpus, tmp_path, option):
     with pytest.raises(ValueError, match=f"{next(iter(option))} must .*§5.3"):
@@ -167,11 +187,14 @@ def test_validation_bleu_drives_best_checkpoint_early_stopping_and_tensorboard(m
     output = train(config)
     validations = [r for r in read_log(output) if "validation_loss" in r]
     assert all(0.0 <= r["validation_bleu"] <= 100.0 for r in validations)
-    # A 12-step model translates 8 sentences with BLEU 0: no validation beats the first, so the
-    # run stops after 2 more, at step 6, and the first stays the best checkpoint.
-    assert [r["step"] for r in validations] == [2, 4, 6]
+    # The run stops 2 validations after its best (the first of equal scores: only a better one counts),
+    # well before its 40 steps, and keeps the best one's checkpoint.
+    bleus = [r["validation_bleu"] for r in validations]
+    best = bleus.index(max(bleus))
+    assert len(validations) - 1 - best == 2 and validations[-1]["step"] < 40
+    best_step = validations[best]["step"]
     state = ckpt.verify_checkpoint(ckpt.list_checkpoints(output / "checkpoints")[-1], world_size=1)
-    assert state["best_step"] == 2 and (output / "checkpoints" / "step-2").is_dir()
+    assert state["best_step"] == best_step and (output / "checkpoints" / f"step-{best_step}").is_dir()
     assert list((output / "runs").rglob("events.out.tfevents.*")), "no TensorBoard event file"
 
 

@@ -101,8 +101,7 @@ def _prepare_tokenizer(config: TrainingConfig, corpus, resuming: bool) -> PreTra
 
 
 def _batches(split, tokenizer, max_tokens: int, shuffle: bool, seed: int, accelerator: Accelerator, pad_to: int = 1):
-    """A DataLoader of this process's share of token-budget batches (see `TokenBatchSampler`), padded to a multiple
-    of `pad_to` tokens."""
+    """A DataLoader of this process's token-budget batches (`TokenBatchSampler`), padded to a multiple of `pad_to`."""
     source_lengths, target_lengths = lengths_of(split)
     sampler = TokenBatchSampler(
         source_lengths,
@@ -205,10 +204,10 @@ def train(config: TrainingConfig) -> Path:
         `keep_checkpoints` and the best one).
 
     Raises:
-        ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output
-            directory holds a run's checkpoints but `resume` is off, or a model but no checkpoints; no
-            training batch fits the settings (no pair within `max_length`, or fewer batches than
-            processes), or `max_tokens` is below the longest pair.
+        ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output directory
+            holds a run's checkpoints but `resume` is off (or on, with settings of `RUN_FIELDS` that differ
+            from the run's), or a model but no checkpoints; no training batch fits the settings (no pair
+            within `max_length`, or fewer batches than processes), or `max_tokens` is below the longest pair.
         OSError: the output directory cannot be written.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
@@ -236,9 +235,10 @@ class TrainingRun:
 
     Raises:
         ValueError, FileNotFoundError: the corpus cannot be read, the output directory holds a run's
-            checkpoints and `config.resume` is off (or a model and no checkpoints), no training batch fits
-            the settings (no pair within `max_length`, or fewer batches than processes), `max_tokens` is
-            below the longest pair, or `config.update_freq` is above 1 under DeepSpeed.
+            checkpoints and `config.resume` is off (on: other settings of `RUN_FIELDS` than the run's; or a
+            model and no checkpoints), no training batch fits the settings (no pair within `max_length`, or
+            fewer batches than processes), `max_tokens` is below the longest pair, or `config.update_freq` is
+            above 1 under DeepSpeed.
         OSError: the output directory is not writable.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """
@@ -281,6 +281,8 @@ class TrainingRun:
                 "every batch: use --update-freq 1 and reach the batch size with --max-tokens or more processes."
             )
         _check_output_dir(self.output_dir, config.resume)
+        if config.resume and ckpt.list_checkpoints(self.checkpoints_dir):
+            config.check_resumes(self._record())
         if accelerator.is_main_process:
             ensure_writable(self.output_dir)
             for leftover in ckpt.remove_leftovers(self.checkpoints_dir):

@@ -6,8 +6,10 @@ config as `training_config.json`. Defaults are the paper's recipe (§5) wherever
 """
 
 import difflib
+import json
 import math
-from dataclasses import MISSING, dataclass, field
+import os
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .configuration_vaswani import PRESETS, VaswaniConfig
@@ -15,6 +17,15 @@ from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_len
 
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+# The settings that make a run what it is: its corpus, tokenizer, model, batches and schedule. A resumed run keeps
+# them, for its checkpoint holds that model's weights and its place in those batches; the budgets, clocks, logging
+# and the decoding choice may change (docs/training.md, "Training at scale, and runs that survive being killed").
+RUN_FIELDS = (
+    "data", "dataset_config", "files", "source_lang", "target_lang", "tokenizer", "vocab_size", "max_length",
+    "preset", "model_overrides", "max_tokens", "update_freq", "learning_rate_scale", "warmup_steps", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "seed",
+)  # fmt: skip
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
 MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
@@ -233,6 +244,47 @@ class TrainingConfig:
         if self.keep_checkpoints < self.average_last:
             raise ValueError(
                 f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
+            )
+
+    def check_resumes(self, record: dict) -> None:
+        """Refuse to resume a run whose settings differ from those it started with.
+
+        See docs/training.md, "Training at scale, and runs that survive being killed".
+
+        Args:
+            record: the run's `training_config.json` as its start wrote it; fields it lacks (an earlier
+                version's record) are not compared.
+
+        Raises:
+            ValueError: a field of `RUN_FIELDS` differs (the corpus by its resolved path), naming each field's
+                option, the run's value and this one; `attn_implementation` among `model_overrides`
+                may differ, for it changes the speed, not the function (§3.2.1, Eq. 1 either way).
+        """
+
+        def resolved(value: Any) -> Any:  # one corpus however its path is spelt
+            if isinstance(value, dict):
+                return {key: resolved(v) for key, v in value.items()}
+            if isinstance(value, list):
+                return [resolved(v) for v in value]
+            return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
+
+        def comparable(name: str, value: Any) -> Any:
+            value = json.loads(json.dumps(value))  # tuples as lists, as the record holds them
+            if name == "model_overrides" and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if k != "attn_implementation"}
+            return resolved(value) if name in ("data", "files", "tokenizer") else value
+
+        options = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(self)}
+        options.update(data="--data-dir/--dataset", files="--train-files/--validation-files")
+        changed = [
+            f"{options[name]} was {record[name]!r}, now {getattr(self, name)!r}"
+            for name in RUN_FIELDS
+            if name in record and comparable(name, record[name]) != comparable(name, getattr(self, name))
+        ]
+        if changed:
+            raise ValueError(
+                f"Cannot resume the run in {self.output_dir} with other settings: {'; '.join(changed)}. Resume it "
+                "with the settings in its training_config.json, or give another --output-dir for a new run."
             )
 
     def _check_model_overrides(self) -> None:
