@@ -103,6 +103,7 @@ class LocalHub:
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.requests: list[str] = []
+        self.created: dict[str, dict] = {}  # repository id: the create request's JSON (its visibility, say)
         self.unhandled: list[str] = []
         self.errors: list[str] = []
         self._lock = threading.RLock()  # one request at a time: commits are atomic, reads consistent
@@ -197,6 +198,7 @@ class LocalHub:
         if folder.is_dir():
             raise HubError(409, f"You already created this {repo_type} repo", body={"url": url})
         folder.mkdir(parents=True)
+        self.created[repo_id] = payload
         return {"url": url, "name": repo_id, "id": repo_id}
 
     def validate_yaml(self, request: Request):

@@ -127,6 +127,15 @@ def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, c
     assert {path.name: path.read_bytes() for path in marian_dir.iterdir()} == saved, "and leaves the Marian model"
     assert main(["convert-marian", str(marian_dir), str(tmp_path / "converted")]) == 0
     assert main(["convert-marian", str(marian_dir), str(tmp_path / "paper"), "--paper-decoding"]) == 0
+    # Refused before anything is written: into a model's directory, from a Hub id, from a model without a tokenizer.
+    before = {path.name: path.read_bytes() for path in (tmp_path / "paper").iterdir()}
+    assert main(["convert-marian", str(marian_dir), str(tmp_path / "paper")]) == 2
+    assert {path.name: path.read_bytes() for path in (tmp_path / "paper").iterdir()} == before
+    assert main(["convert-marian", "Helsinki-NLP/opus-mt-en-de", str(tmp_path / "hub")]) == 2
+    untokenized = tmp_path / "no-tokenizer"
+    marian.save_pretrained(untokenized)
+    assert main(["convert-marian", str(untokenized), str(tmp_path / "none")]) == 2
+    assert not (tmp_path / "hub").exists() and not (tmp_path / "none").exists()
 
     converted_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "converted")
     assert type(converted_tokenizer).__name__ == "MarianTokenizer"

@@ -76,6 +76,11 @@ def test_push_command_uploads_a_translator_that_loads_from_the_hub_with_auto_cla
         hub, tmp_path / "push", "-m", "vaswani_transformer.cli", "push", str(model_dir), "--repo-id", "org/translator"
     )
     assert f"{hub.url}/org/translator/commit/" in pushed.stdout  # the commit URL the Hub answered
+    # No visibility asked for: the owner's default for new repositories (an organisation's may be private).
+    assert "visibility" not in hub.created["org/translator"] and "private" not in hub.created["org/translator"]
+    command = ["-m", "vaswani_transformer.cli", "push", str(model_dir), "--repo-id", "org/private", "--private"]
+    run_client(hub, tmp_path / "push-private", *command)
+    assert hub.created["org/private"]["visibility"] == "private"
 
     repo = hub.repo_dir("org/translator")
     assert TRANSLATOR_FILES <= files_in(repo), files_in(repo)
@@ -252,3 +257,9 @@ def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_datas
     assert after.language == before.language == ["en", "de"] and after.datasets == before.datasets
     assert after.eval_results[-1].metric_value == 31.5
     assert model_languages(str(model_dir)) == ("en", "de")
+    # A license the card names (an imported model's own, say) stays; the package's is only the default.
+    assert after.license == "apache-2.0"
+    card = ModelCard.load(model_dir / "README.md")
+    card.data.license = "cc-by-4.0"
+    card.save(model_dir / "README.md")
+    assert ModelCard.load(write_model_card(model_dir)).data.license == "cc-by-4.0"

@@ -6,10 +6,11 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from conftest import MINI_MODEL, mini_run, read_log
-from huggingface_hub import ModelCard
+from huggingface_hub import EvalResult, ModelCard
 from safetensors.torch import load_file
 
 from vaswani_transformer.checkpoints import average_checkpoints
+from vaswani_transformer.hub import write_model_card
 from vaswani_transformer.training import TrainingConfig, inverse_square_root_schedule
 
 
@@ -148,10 +149,16 @@ def test_a_run_resumes_only_with_the_settings_it_started_with(mini_corpus, tmp_p
     assert "training_config.json" in str(error.value) and "another --output-dir" in str(error.value)
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == checkpoints  # nothing lost
     # The same corpus spelt another way, another attention implementation (the same function) and a longer budget.
+    score = EvalResult(
+        task_type="translation", dataset_type="mini", dataset_name="mini", dataset_split="val",
+        metric_type="sacrebleu", metric_name="sacreBLEU", metric_value=1.5,
+    )  # fmt: skip
+    assert ModelCard.load(write_model_card(output, eval_result=score)).data.eval_results == [score]
     eager = {**MINI_MODEL, "attn_implementation": "eager"}
     spelt = str(mini_corpus / ".." / mini_corpus.name)
     training.train(mini_run(mini_corpus, output, data=spelt, max_steps=3, model_overrides=eager, resume=True))
     assert [r["step"] for r in read_log(output) if "train_loss" in r][-1] == 3
+    assert ModelCard.load(output / "README.md").data.eval_results is None  # measured on the 2-step weights
 
 
 @pytest.mark.parametrize("option", [dict(adam_beta1=1.0), dict(adam_beta2=1.5), dict(adam_epsilon=-1.0)])

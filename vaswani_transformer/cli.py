@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     push = commands.add_parser("push", help="upload a trained model directory to the Hugging Face Hub")
     push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
     push.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
-    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument(
+        "--private", action="store_true", default=None, help="create the repository private (default: the owner's)"
+    )
     push.add_argument("--commit-message", default=COMMIT_MESSAGE, help="commit message (default: %(default)s)")
 
     average = commands.add_parser("average", help="average a run's last checkpoints into a model (§6.1)")

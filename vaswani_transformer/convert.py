@@ -196,14 +196,32 @@ def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, pap
         `output_dir`.
 
     Raises:
-        OSError: `source_dir` holds no loadable Marian model.
-        ValueError: `output_dir` is `source_dir` (saving would overwrite the Marian model); see also `from_marian`.
+        OSError: `source_dir` is no local directory (a Hub id: download it first), holds no tokenizer
+            files, or holds no loadable Marian model.
+        ValueError: `output_dir` is `source_dir` (saving would overwrite the Marian model), or already
+            holds a model or tokenizer (their files would mix with the new ones); see also `from_marian`.
     """
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     if output_dir.resolve() == source_dir.resolve():
         raise ValueError(
             f"the output directory {output_dir} is the Marian model's own: converting there would overwrite it."
             " Choose another output directory."
+        )
+    if not source_dir.is_dir():
+        raise OSError(
+            f"{source_dir} is no directory: give a Marian model saved locally, e.g. an OPUS-MT model downloaded "
+            f"with `hf download Helsinki-NLP/opus-mt-en-de --local-dir DIR`."
+        )
+    if not any((source_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise OSError(
+            f"{source_dir} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): the converted model would have none. "
+            "Save the Marian tokenizer beside its model (MarianTokenizer.save_pretrained)."
+        )
+    taken = [name for name in ("config.json", "model.safetensors", *TOKENIZER_FILES) if (output_dir / name).exists()]
+    if taken:
+        raise ValueError(
+            f"{output_dir} already holds {', '.join(taken)}: the converted model's files would mix with them. "
+            "Choose a new or empty output directory."
         )
     model = from_marian(MarianMTModel.from_pretrained(source_dir))
     if paper_decoding:

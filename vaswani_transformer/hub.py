@@ -88,7 +88,7 @@ COMMIT_MESSAGE = "Upload Transformer translator"
 def push_translator(
     output_dir: str | Path,
     repo_id: str,
-    private: bool = False,
+    private: bool | None = None,
     commit_message: str = COMMIT_MESSAGE,
     token: str | None = None,
 ) -> str:
@@ -102,7 +102,8 @@ def push_translator(
     Args:
         output_dir: a directory written by `train` or `save_translator`.
         repo_id: "org/name"; the repository is created if it does not exist.
-        private: create the repository private.
+        private: create the repository private (True) or public (False); None, as transformers'
+            `push_to_hub`: public unless the organisation makes new repositories private.
         commit_message: message of the upload commit.
         token: overrides the stored or environment token.
 
@@ -145,8 +146,9 @@ def write_model_card(
     training recipe (from `training_config.json` and `training_log.jsonl` when present), the
     evaluation results and limitations. Results already in the card are kept; `eval_result`
     replaces one for the same dataset, split and metric. Without `training_config.json` the
-    languages and dataset come from the card already there. The card's text is written anew from
-    the template `model_card_template.md`: notes added by hand do not survive.
+    languages and dataset come from the card already there, and a license the card names is kept
+    (else Apache-2.0). The card's text is written anew from the template `model_card_template.md`:
+    notes added by hand do not survive.
 
     Args:
         model_dir: a directory written by `train` or `save_translator`.
@@ -179,7 +181,7 @@ def write_model_card(
     card_data = ModelCardData(
         model_name=model_name,
         language=languages or None,
-        license="apache-2.0",
+        license=existing.license or "apache-2.0",  # the package's, unless the card names the weights' own
         library_name="transformers",
         pipeline_tag="translation",
         tags=["translation", "vaswani_transformer", "transformer"],

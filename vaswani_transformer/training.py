@@ -737,7 +737,7 @@ class TrainingRun:
             self._choose_decoding(model)  # may rewrite training_config.json: the averaged steps go in after
             save_translator(model, self.tokenizer, self.output_dir)
             ckpt.record_averaged_steps(self.output_dir, last)
-            write_model_card(self.output_dir)
+            write_model_card(self.output_dir, keep_results=False)  # scores of earlier weights (a resumed run's) go
             try:
                 plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
             except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
