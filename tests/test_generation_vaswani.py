@@ -391,3 +391,15 @@ def test_learned_positions_cap_the_length_without_raising_max_length(tokenizer, 
     config.max_length = 10
     inputs = tokenizer(test_sentences[0][:2], padding=True, return_tensors="pt")
     assert model.generate(**inputs, num_beams=1).shape[1] <= 10
+
+
+def test_beam_search_returns_an_ordinary_tensor_whatever_mode_the_caller_is_in(tokenizer, test_sentences):
+    # The search runs in inference mode; what it returns may be changed in place, as transformers' output may.
+    model = random_model(tokenizer, seed=3)
+    inputs = tokenizer(test_sentences[0][:4], return_tensors="pt", padding=True)
+    output = model.generate(**inputs, num_beams=4, max_new_tokens=8)
+    assert not output.is_inference()
+    output[:, 0] = tokenizer.pad_token_id
+    with torch.inference_mode():
+        again = model.generate(**inputs, num_beams=4, max_new_tokens=8)
+    assert torch.equal(again[:, 1:], output[:, 1:])

@@ -380,3 +380,12 @@ def test_eq_1_is_spelled_out_on_the_cpu_for_few_queries_and_never_in_place_of_th
         assert not ops_vaswani.eager_attention_is_faster(*query_key(4, 4), None, is_causal=True)
     # In training the two take as long: the kernel.
     assert not ops_vaswani.eager_attention_is_faster(*query_key(4, 16), mask, is_causal=True)
+
+
+def test_attention_measures_its_precision_even_under_a_callers_inference_mode():
+    # The measurement times a backward pass: under the caller's inference mode no tensor could require gradients.
+    ops_vaswani._measured_float32_attention_is_faster.cache_clear()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        choice = ops_vaswani.attention_in_float32(torch.zeros(2, 4, 40, 8))
+    assert ops_vaswani._measured_float32_attention_is_faster.cache_info().currsize == 1
+    assert choice == ops_vaswani.float32_attention_is_faster(torch.bfloat16)  # measured, then kept

@@ -234,8 +234,7 @@ class VaswaniGenerationMixin(GenerationMixin):
             # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of
             # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
             _cap_new_tokens(kwargs, config, self.config.max_position_embeddings)
-        alpha = kwargs.get("length_penalty", config.length_penalty)
-        if alpha is not None:
+        if (alpha := kwargs.get("length_penalty", config.length_penalty)) is not None:
             check_length_penalty(alpha)
         if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
             # The penalty's form travels with this call, in the alpha that its generation config gets.
@@ -696,8 +695,7 @@ class BeamSearch:
         self.encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[:: self.num_beams]
         attention_mask = model_kwargs.get("attention_mask")
         self.attention_mask = attention_mask[:: self.num_beams] if attention_mask is not None else None
-        # The decoder's encoder-decoder attention mask for num_beams rows per sentence: built at the first step that
-        # has them, and again after sentences leave, rather than at every step.
+        # The encoder-decoder attention mask of num_beams rows a sentence: built once, again only when sentences leave.
         self.encoder_mask: torch.Tensor | None = None
 
     def run(self) -> torch.LongTensor:
@@ -784,7 +782,6 @@ class BeamSearch:
         self.cache = self.model._reorder_cache(self.cache, rows.view(-1))
 
 
-@torch.no_grad()
 def beam_search(
     model: VaswaniGenerationMixin,
     input_ids: torch.LongTensor,
@@ -792,9 +789,12 @@ def beam_search(
     generation_config: GenerationConfig,
     **model_kwargs,
 ) -> torch.LongTensor:
-    """`BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()` (§6.1).
+    """`BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()` (§6.1), in
+    inference mode: no version counters or views kept for a step's hundreds of operators (docs/performance.md).
 
     Returns:
-        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first.
+        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first (not an inference tensor).
     """
-    return BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()
+    with torch.inference_mode():
+        sequences = BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()
+    return sequences.clone()

@@ -345,6 +345,7 @@ def _measured_float32_attention_is_faster(dtype: torch.dtype) -> bool:
 
     identity = lambda tensor: tensor  # noqa: E731
     with (
+        torch.inference_mode(False),  # under a caller's inference mode, no tensor could require gradients
         torch.enable_grad(),
         torch.autocast("cpu", enabled=False),
         torch.autograd.graph.saved_tensors_hooks(identity, identity),
