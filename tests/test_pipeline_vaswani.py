@@ -91,3 +91,17 @@ def test_the_pipeline_gives_each_input_its_own_translations_in_batches(trained_m
     assert [hypotheses[0]["translation_text"] for hypotheses in several] == best, "each input's own best first"
     assert all(best[:3]) and best[3:] == ["", ""], "blank inputs translate to blank outputs, as translate() does"
     assert all(h["translation_text"] == "" for hypotheses in several[3:] for h in hypotheses)
+
+
+def test_the_pipeline_takes_transformers_4s_tokenizer_options(trained_model_dir):
+    from transformers import pipeline
+
+    translator = pipeline("translation", model=str(trained_model_dir), trust_remote_code=True)
+    limit = translator.tokenizer.model_max_length
+    long = " ".join(["dog"] * (limit + 20))
+    assert translator.preprocess(long)["input_ids"].shape[1] == limit
+    assert translator.preprocess(long, truncation=False)["input_ids"].shape[1] > limit
+    # Per call, as transformers 4's translation pipeline took them; they went to generate(), which refused them.
+    best = translator(SENTENCES[0])[0]["translation_text"]
+    options = dict(truncation=False, clean_up_tokenization_spaces=False)
+    assert translator(SENTENCES[0], **options)[0]["translation_text"] == best

@@ -16,9 +16,10 @@ class TranslationPipeline(Pipeline):
 
     As transformers 4's pipeline did: a string gives `[{"translation_text": str}]`, a list of n
     strings gives n such dicts, in order (n lists of dicts with `num_return_sequences` > 1).
-    Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call.
-    Inputs longer than the tokenizer's `model_max_length` are truncated; a blank input translates to
-    an empty string, as with `translate()`.
+    Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call,
+    and so can transformers 4's `truncation` (default True: inputs longer than the tokenizer's
+    `model_max_length` are cut there; False leaves them whole) and `clean_up_tokenization_spaces`. A
+    blank input translates to an empty string, as with `translate()`.
     """
 
     _pipeline_calls_generate = True
@@ -34,10 +35,19 @@ class TranslationPipeline(Pipeline):
             return [result[0] for result in results]  # one translation per input, not one-element lists
         return results
 
-    def _sanitize_parameters(self, **generate_kwargs: Any) -> tuple[dict, dict, dict]:
-        return {}, generate_kwargs, {}
+    def _sanitize_parameters(
+        self, truncation: bool | None = None, clean_up_tokenization_spaces: bool | None = None, **generate_kwargs: Any
+    ) -> tuple[dict, dict, dict]:
+        # The tokenizer's options to the steps that tokenize and decode, the rest to generate().
+        preprocess = {} if truncation is None else {"truncation": truncation}
+        postprocess = (
+            {}
+            if clean_up_tokenization_spaces is None
+            else {"clean_up_tokenization_spaces": clean_up_tokenization_spaces}
+        )
+        return preprocess, generate_kwargs, postprocess
 
-    def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+    def preprocess(self, text: str, truncation: bool = True) -> dict[str, torch.Tensor]:
         """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
         tokenizer's `model_max_length`, and `blank`, `(1, 1)`, whether `text` is only whitespace.
 
@@ -48,7 +58,7 @@ class TranslationPipeline(Pipeline):
         """
         if not isinstance(text, str):
             raise TypeError(f"TranslationPipeline translates strings, got {type(text).__name__}.")
-        inputs = self.tokenizer(text, return_tensors="pt", truncation=True)
+        inputs = self.tokenizer(text, return_tensors="pt", truncation=truncation)
         return {**inputs, "blank": torch.tensor([[not text.strip()]])}
 
     def _forward(self, model_inputs: dict[str, torch.Tensor], **generate_kwargs: Any) -> dict[str, torch.Tensor]:
@@ -57,12 +67,18 @@ class TranslationPipeline(Pipeline):
         # One row of hypotheses per input, so that the pipeline's unbatching hands each input its own.
         return {"output_ids": output_ids.reshape(len(blank), -1, output_ids.shape[-1]), "blank": blank}
 
-    def postprocess(self, model_outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
+    def postprocess(
+        self, model_outputs: dict[str, torch.Tensor], clean_up_tokenization_spaces: bool | None = None
+    ) -> list[dict[str, str]]:
         """Decode `output_ids`, `(1, num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`.
 
         See README.md, "Using a trained model".
         """
-        texts = self.tokenizer.batch_decode(model_outputs["output_ids"][0], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            model_outputs["output_ids"][0],
+            skip_special_tokens=True,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+        )
         if model_outputs["blank"].item():
             texts = [""] * len(texts)
         return [{"translation_text": text} for text in texts]
