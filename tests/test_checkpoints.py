@@ -246,6 +246,10 @@ def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupt
         name = next(n for n in nine if n.endswith("weight") and nine[n].dim() == 2 and "shared" not in n)
     torch.testing.assert_close(model.state_dict()[name], (nine[name] + twelve[name]) / 2)
     assert main(["average", str(uninterrupted), "--last", "9"]) == 2
+    # A file where the model should go: refused (transformers' save_pretrained only logs it and writes nothing).
+    (tmp_path / "a-file").write_text("")
+    assert main(["average", str(uninterrupted), "--last", "2", "--output-dir", str(tmp_path / "a-file")]) == 2
+    assert (tmp_path / "a-file").read_text() == ""
 
 
 def test_the_card_names_the_checkpoints_the_weights_average(uninterrupted, tmp_path):

@@ -659,3 +659,18 @@ def test_export_with_force_never_deletes_the_model_or_other_files(translator_dir
     assert main(["export-ctranslate2", str(model_dir), str(notes), "--force"]) == 2
     assert "holds no CTranslate2 model" in capsys.readouterr().err
     assert sorted(p.name for p in model_dir.iterdir()) == before and (notes / "keep.txt").read_text() == "mine"
+
+
+def test_a_named_pipe_is_read_as_a_file_and_a_directory_or_missing_path_is_named(tmp_path):
+    import threading
+
+    pipe = tmp_path / "pipe.en"  # what `--source <(...)` hands over: a pipe, not a regular file
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_bytes(b"Two dogs.\nA cat.\n"), daemon=True)
+    writer.start()
+    assert list(iter_lines(pipe)) == ["Two dogs.", "A cat."]
+    writer.join(timeout=10)
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path} is a directory, not a text file"):
+        iter_lines(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.en does not exist; check the path"):
+        iter_lines(tmp_path / "missing.en")

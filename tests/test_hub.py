@@ -263,3 +263,8 @@ def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_datas
     card.data.license = "cc-by-4.0"
     card.save(model_dir / "README.md")
     assert ModelCard.load(write_model_card(model_dir)).data.license == "cc-by-4.0"
+    # Metadata edited into something that is no YAML: one line naming the card, and the card left as it was.
+    (model_dir / "README.md").write_text("---\nlanguage: [en, de\n---\nNotes.\n")
+    with pytest.raises(ValueError, match=r"README.md has metadata that is no YAML \(.*\); fix its front matter"):
+        write_model_card(model_dir)
+    assert (model_dir / "README.md").read_text().endswith("Notes.\n")

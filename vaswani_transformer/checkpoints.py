@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
-from .hub import save_translator, write_model_card
+from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
 WEIGHTS_NAME = "model.safetensors"
@@ -485,8 +485,10 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
             it holds no config.json.
         CheckpointError: one of them is damaged.
+        OSError: `output_dir` cannot be written (a file, say), before anything is read.
     """
     run_dir = Path(run_dir)
+    ensure_writable(output_dir or run_dir)  # transformers only logs a save to a file's path, and writes nothing
     available = list_checkpoints(run_dir / "checkpoints")
     if last <= 0 or last > len(available):
         raise ValueError(

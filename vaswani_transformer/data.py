@@ -87,11 +87,14 @@ def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) ->
 
     Raises:
         FileNotFoundError: the file does not exist (at the call).
+        IsADirectoryError: the path is a directory.
         ValueError: a line is not valid UTF-8, when that line is reached; the message names the
             file and the line number.
     """
-    if isinstance(source, (str, os.PathLike)) and not Path(source).is_file():
-        raise FileNotFoundError(f"{source} does not exist or is not a file; check the path.")
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        raise IsADirectoryError(f"{source} is a directory, not a text file; check the path.")
+    if isinstance(source, (str, os.PathLike)) and not Path(source).exists():  # a pipe, `<(...)`, is read as a file
+        raise FileNotFoundError(f"{source} does not exist; check the path.")
     return _decoded_lines(source, name)
 
 

@@ -6,6 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import yaml
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -161,12 +162,18 @@ def write_model_card(
 
     Raises:
         OSError: `model_dir` has no config.json.
+        ValueError: the card there has metadata that is no YAML (its first line is named).
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     training = _read_json(model_dir / "training_config.json")
     card_path = model_dir / "README.md"
-    existing = ModelCard.load(card_path).data if card_path.is_file() else ModelCardData()
+    try:
+        existing = ModelCard.load(card_path).data if card_path.is_file() else ModelCardData()
+    except yaml.YAMLError as error:  # a hand-edited card: one line that says where, not a traceback
+        first = str(error).splitlines()[0]
+        message = f"{card_path} has metadata that is no YAML ({first}); fix its front matter or remove it."
+        raise ValueError(message) from None
     results = (existing.eval_results or []) if keep_results else []
     if eval_result is not None:
         key = (eval_result.dataset_type, eval_result.dataset_split, eval_result.metric_type)
