@@ -107,7 +107,7 @@ def main() -> None:
     try:
         corpus = make_corpus(args.data_dir, args.work_dir / "corpus", 1000)
     except OSError as error:
-        parser.error(f"{error}: --data-dir must hold train.en, train.de, val.en and val.de")
+        parser.error(f"{error} (--data-dir must hold train.en, train.de, val.en and val.de; --work-dir be writable)")
 
     reference_dir, campaign_dir = args.work_dir / "uninterrupted", args.work_dir / "killed"
     for directory in (reference_dir, campaign_dir):

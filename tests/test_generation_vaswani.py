@@ -393,7 +393,7 @@ def test_learned_positions_cap_the_length_without_raising_max_length(tokenizer, 
     assert model.generate(**inputs, num_beams=1).shape[1] <= 10
 
 
-def test_beam_search_returns_an_ordinary_tensor_whatever_mode_the_caller_is_in(tokenizer, test_sentences):
+def test_beam_search_returns_an_ordinary_tensor_outside_inference_mode(tokenizer, test_sentences):
     # The search runs in inference mode; what it returns may be changed in place, as transformers' output may.
     model = random_model(tokenizer, seed=3)
     inputs = tokenizer(test_sentences[0][:4], return_tensors="pt", padding=True)

@@ -260,9 +260,10 @@ def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_datas
     # A license the card names (an imported model's own, say) stays; the package's is only the default.
     assert after.license == "apache-2.0"
     card = ModelCard.load(model_dir / "README.md")
-    card.data.license = "cc-by-4.0"
+    card.data.license, card.data.license_name, card.data.license_link = "other", "opus-terms", "https://example.org"
     card.save(model_dir / "README.md")
-    assert ModelCard.load(write_model_card(model_dir)).data.license == "cc-by-4.0"
+    kept = ModelCard.load(write_model_card(model_dir)).data
+    assert (kept.license, kept.license_name, kept.license_link) == ("other", "opus-terms", "https://example.org")
     # Metadata edited into something that is no YAML: one line naming the card, and the card left as it was.
     (model_dir / "README.md").write_text("---\nlanguage: [en, de\n---\nNotes.\n")
     with pytest.raises(ValueError, match=r"README.md has metadata that is no YAML \(.*\); fix its front matter"):

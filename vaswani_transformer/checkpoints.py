@@ -485,10 +485,9 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
             it holds no config.json.
         CheckpointError: one of them is damaged.
-        OSError: `output_dir` cannot be written (a file, say), before anything is read.
+        OSError: `output_dir` cannot be written (a file, say), found before the model is built.
     """
     run_dir = Path(run_dir)
-    ensure_writable(output_dir or run_dir)  # transformers only logs a save to a file's path, and writes nothing
     available = list_checkpoints(run_dir / "checkpoints")
     if last <= 0 or last > len(available):
         raise ValueError(
@@ -502,6 +501,7 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
             f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "
             "copy the config.json of a model trained with the same settings into it."
         )
+    ensure_writable(output_dir or run_dir)  # transformers only logs a save to a file's path, and writes nothing
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))
     if (run_dir / GENERATION_CONFIG_NAME).is_file():  # the decoding the run chose on its validation set (§6.1)

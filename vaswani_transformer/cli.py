@@ -321,8 +321,12 @@ def _evaluate(args: argparse.Namespace) -> None:
     own = model.generation_config
     other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
     record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
+    unnamed = not Path(args.source).is_file() and not (args.dataset_name and args.split)  # a pipe names no test set
     if record and other_decoding:
         print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
+    elif record and unnamed:
+        print("The model card is left as it is: give --dataset-name and --split to record a score of a pipe.",
+              file=sys.stderr)  # fmt: skip
     elif record:
         from huggingface_hub import EvalResult
 

@@ -793,7 +793,7 @@ def beam_search(
     inference mode: no version counters or views kept for a step's hundreds of operators (docs/performance.md).
 
     Returns:
-        `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first (not an inference tensor).
+        `(batch * num_return_sequences, output_len)` token ids, best first (inference tensors only in inference mode).
     """
     with torch.inference_mode():
         sequences = BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()

@@ -189,6 +189,8 @@ def write_model_card(
         model_name=model_name,
         language=languages or None,
         license=existing.license or "apache-2.0",  # the package's, unless the card names the weights' own
+        license_name=existing.license_name,  # that of a license "other"
+        license_link=existing.license_link,
         library_name="transformers",
         pipeline_tag="translation",
         tags=["translation", "vaswani_transformer", "transformer"],

@@ -18,13 +18,14 @@ from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_len
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
-# The settings that make a run what it is: its corpus, tokenizer, model, batches and schedule. A resumed run keeps
-# them, for its checkpoint holds that model's weights and its place in those batches; the budgets, clocks, logging
-# and the decoding choice may change (docs/training.md, "Training at scale, and runs that survive being killed").
+# The settings that make a run what it is: its corpus, model, batches (`compile` pads them) and schedule. A resumed
+# run keeps them, for its checkpoint holds that model's weights and its place in those batches; the budgets, clocks,
+# logging and the decoding choice may change, and the tokenizer is the one saved beside the checkpoints
+# (docs/training.md, "Training at scale, and runs that survive being killed").
 RUN_FIELDS = (
-    "data", "dataset_config", "files", "source_lang", "target_lang", "tokenizer", "vocab_size", "max_length",
-    "preset", "model_overrides", "max_tokens", "update_freq", "learning_rate_scale", "warmup_steps", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "seed",
+    "data", "dataset_config", "files", "source_lang", "target_lang", "max_length", "preset", "model_overrides",
+    "max_tokens", "update_freq", "compile", "learning_rate_scale", "warmup_steps", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "seed",
 )  # fmt: skip
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
@@ -256,31 +257,30 @@ class TrainingConfig:
                 version's record) are not compared.
 
         Raises:
-            ValueError: a field of `RUN_FIELDS` differs (the corpus by its resolved path), naming each field's
-                option, the run's value and this one; `attn_implementation` among `model_overrides`
-                may differ, for it changes the speed, not the function (§3.2.1, Eq. 1 either way).
+            ValueError: a field of `RUN_FIELDS` differs, naming each field's option, the run's value and this
+                one. The corpus compares by its resolved path where both paths exist here, as written where
+                neither does (a Hub dataset), and not at all where only one does (a relative path written
+                from another directory). The model compares as the config that `preset` and
+                `model_overrides` give, `attn_implementation` apart: it changes the speed, not the function
+                (§3.2.1, Eq. 1 either way).
         """
-
-        def resolved(value: Any) -> Any:  # one corpus however its path is spelt
-            if isinstance(value, dict):
-                return {key: resolved(v) for key, v in value.items()}
-            if isinstance(value, list):
-                return [resolved(v) for v in value]
-            return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
-
-        def comparable(name: str, value: Any) -> Any:
-            value = json.loads(json.dumps(value))  # tuples as lists, as the record holds them
-            if name == "model_overrides" and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if k != "attn_implementation"}
-            return resolved(value) if name in ("data", "files", "tokenizer") else value
-
         options = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(self)}
         options.update(data="--data-dir/--dataset", files="--train-files/--validation-files")
-        changed = [
-            f"{options[name]} was {record[name]!r}, now {getattr(self, name)!r}"
-            for name in RUN_FIELDS
-            if name in record and comparable(name, record[name]) != comparable(name, getattr(self, name))
-        ]
+        changed = []
+        for name in RUN_FIELDS:
+            if name not in record:
+                continue
+            was, now = json.loads(json.dumps(record[name])), json.loads(json.dumps(getattr(self, name)))
+            if name in ("data", "files"):
+                same = _same_corpus(was, now)
+            elif name in ("preset", "model_overrides"):  # named where it differs as written
+                same = was == now or _model(record.get("preset", self.preset), record.get("model_overrides")) == _model(
+                    self.preset, self.model_overrides
+                )
+            else:
+                same = was == now
+            if not same:
+                changed.append(f"{options[name]} was {record[name]!r}, now {getattr(self, name)!r}")
         if changed:
             raise ValueError(
                 f"Cannot resume the run in {self.output_dir} with other settings: {'; '.join(changed)}. Resume it "
@@ -303,3 +303,29 @@ class TrainingConfig:
                 hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(fields)}."
                 raise ValueError(f"model_overrides (--model-option): {key} is no VaswaniConfig field{hint}")
         VaswaniConfig.from_preset(self.preset, **self.model_overrides)
+
+
+def _paths(value: Any) -> list[str]:
+    # The strings of a corpus setting (a directory or Hub id; or {split: [source, target]}).
+    if isinstance(value, dict):
+        return [path for item in value.values() for path in _paths(item)]
+    if isinstance(value, list):
+        return [path for item in value for path in _paths(item)]
+    return [value] if isinstance(value, str) else []
+
+
+def _same_corpus(was: Any, now: Any) -> bool:
+    # Resolved where every path exists here; as written where none does; unknowable (so not refused) otherwise.
+    found = [os.path.exists(path) for path in _paths(was) + _paths(now)]
+    if found and all(found):
+        return [os.path.realpath(p) for p in _paths(was)] == [os.path.realpath(p) for p in _paths(now)]
+    return was == now or any(found)
+
+
+def _model(preset: str, overrides: Any) -> dict | None:
+    # The model a preset and overrides give, attn_implementation apart; None where they give none.
+    overrides = {k: v for k, v in (overrides or {}).items() if k != "attn_implementation"}
+    try:
+        return VaswaniConfig.from_preset(preset, **overrides).to_diff_dict()
+    except (ValueError, TypeError):
+        return None
