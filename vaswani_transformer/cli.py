@@ -325,8 +325,10 @@ def _evaluate(args: argparse.Namespace) -> None:
     if record and other_decoding:
         print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
     elif record and unnamed:
-        print("The model card is left as it is: give --dataset-name and --split to record a score of a pipe.",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "The model card is left as it is: a pipe's score needs --dataset-name and --split.",
+            file=sys.stderr,
+        )
     elif record:
         from huggingface_hub import EvalResult
 

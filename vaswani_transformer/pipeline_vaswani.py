@@ -49,7 +49,8 @@ class TranslationPipeline(Pipeline):
 
     def preprocess(self, text: str, truncation: bool = True) -> dict[str, torch.Tensor]:
         """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
-        tokenizer's `model_max_length`, and `blank`, `(1, 1)`, whether `text` is only whitespace.
+        tokenizer's `model_max_length` unless `truncation` is False, and `blank`, `(1, 1)`, whether `text` is
+        only whitespace.
 
         See README.md, "Using a trained model".
 
@@ -72,7 +73,8 @@ class TranslationPipeline(Pipeline):
     ) -> list[dict[str, str]]:
         """Decode `output_ids`, `(1, num_return_sequences, output_len)`, into `[{"translation_text": str}, ...]`.
 
-        See README.md, "Using a trained model".
+        `clean_up_tokenization_spaces` goes to the tokenizer's `batch_decode` (None: the tokenizer's own
+        setting). See README.md, "Using a trained model".
         """
         texts = self.tokenizer.batch_decode(
             model_outputs["output_ids"][0],

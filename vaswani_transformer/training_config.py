@@ -266,6 +266,9 @@ class TrainingConfig:
         """
         options = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(self)}
         options.update(data="--data-dir/--dataset", files="--train-files/--validation-files")
+        same_model = _model(record.get("preset", self.preset), record.get("model_overrides")) == _model(
+            self.preset, self.model_overrides
+        )
         changed = []
         for name in RUN_FIELDS:
             if name not in record:
@@ -274,9 +277,7 @@ class TrainingConfig:
             if name in ("data", "files"):
                 same = _same_corpus(was, now)
             elif name in ("preset", "model_overrides"):  # named where it differs as written
-                same = was == now or _model(record.get("preset", self.preset), record.get("model_overrides")) == _model(
-                    self.preset, self.model_overrides
-                )
+                same = was == now or same_model
             else:
                 same = was == now
             if not same:
@@ -324,7 +325,9 @@ def _same_corpus(was: Any, now: Any) -> bool:
 
 def _model(preset: str, overrides: Any) -> dict | None:
     # The model a preset and overrides give, attn_implementation apart; None where they give none.
-    overrides = {k: v for k, v in (overrides or {}).items() if k != "attn_implementation"}
+    overrides = (
+        {k: v for k, v in overrides.items() if k != "attn_implementation"} if isinstance(overrides, dict) else {}
+    )
     try:
         return VaswaniConfig.from_preset(preset, **overrides).to_diff_dict()
     except (ValueError, TypeError):
