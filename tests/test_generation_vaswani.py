@@ -1,5 +1,6 @@
 """Decoding as §6.1 decodes (`generation_vaswani.py`): beam search, length penalty and limit, against transformers."""
 
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,6 +10,8 @@ from conftest import random_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import logits_process
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as hf_logging
 
 from vaswani_transformer import VaswaniConfig, generation_vaswani, modeling_vaswani
 from vaswani_transformer.modeling_vaswani import MultiHeadAttention
@@ -350,9 +353,16 @@ def test_a_given_generation_config_keeps_the_models_penalty_form(trained_model_d
     )
     settings = dict(max_new_tokens=60, length_penalty=2.0)
     with_kwargs = model.generate(**inputs, **settings)
-    with_config = model.generate(**inputs, generation_config=GenerationConfig(**settings))
+    given = GenerationConfig(**settings)
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
+    with CaptureLogger(hf_logging.get_logger("transformers.generation.utils")) as captured:
+        with_config = model.generate(**inputs, generation_config=given)
     hf_penalty = model.generate(**inputs, **settings, length_penalty_type="hf")
     assert torch.equal(with_config, with_kwargs) and not torch.equal(with_config, hf_penalty)
+    # What generate() adds (the penalty's form, the length limit) goes into a copy of the given config, not
+    # beside it as arguments, which transformers deprecates; the caller's config stays as it was.
+    assert "is deprecated" not in captured.out, captured.out
+    assert given.to_dict() == GenerationConfig(**settings).to_dict() and type(given.length_penalty) is float
 
 
 def test_an_explicit_max_length_bounds_the_output_as_in_transformers(tokenizer, test_sentences):

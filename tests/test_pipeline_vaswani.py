@@ -21,14 +21,17 @@ SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the
 WITHOUT_PACKAGE = """
 import importlib.util, json, sys
 assert importlib.util.find_spec("vaswani_transformer") is None, "the package is importable"
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 path, sentences = sys.argv[1], json.loads(sys.argv[2])
 model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+base_model = AutoModel.from_pretrained(path, trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 translator = pipeline("translation", model=path, trust_remote_code=True)
 ids = model.generate(**tokenizer(sentences, padding=True, return_tensors="pt"))
 print(json.dumps({
     "model_class": type(model).__module__,
+    "base_model_class": f"{type(base_model).__module__}.{type(base_model).__name__}",
+    "same_weights": all(v.equal(model.model.state_dict()[k]) for k, v in base_model.state_dict().items()),
     "generate": tokenizer.batch_decode(ids, skip_special_tokens=True),
     "pipeline": [t["translation_text"] for t in translator(sentences)],
 }))
@@ -69,6 +72,11 @@ def test_a_fresh_environment_without_the_package_translates_like_the_package(tra
     without = json.loads(result.stdout.strip().splitlines()[-1])
     # The classes came from the directory's copied code, not from an installed package.
     assert without["model_class"].startswith("transformers_modules."), without["model_class"]
+    # AutoModel gives the base model (no output projection), with the saved weights.
+    assert without["base_model_class"].startswith("transformers_modules.") and without["base_model_class"].endswith(
+        ".modeling_vaswani.VaswaniModel"
+    ), without["base_model_class"]
+    assert without["same_weights"]
 
     # With the package: its own classes (no remote code), the same translations.
     model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)

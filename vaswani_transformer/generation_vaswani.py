@@ -12,6 +12,7 @@ The state of one `generate()` call lives in that call's generation config and ar
 on the model: one model serves many threads at once.
 """
 
+import copy
 import math
 
 import torch
@@ -208,6 +209,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         """
         # What transformers will decode with: the given config, its unset fields and custom entries from the model's.
         config = self._prepare_generation_config(generation_config)[0]
+        passed = set(kwargs)
         num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
         given = generation_config or GenerationConfig()
         max_length = kwargs.pop("max_length", None) or given.max_length
@@ -241,6 +243,10 @@ class VaswaniGenerationMixin(GenerationMixin):
             if alpha is None:  # unset: transformers' default
                 alpha = GenerationConfig._get_default_generation_params()["length_penalty"]
             kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
+        if generation_config is not None:  # what this call added goes into a copy of the given config, where
+            generation_config = copy.deepcopy(generation_config)  # transformers asks for it, not beside it
+            for key in kwargs.keys() - passed:
+                setattr(generation_config, key, kwargs.pop(key))
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
@@ -472,10 +478,7 @@ class BeamSearchCacheLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        """Positions held (not slots: `keys` has `num_beams` slots per position).
-
-        See docs/performance.md, "The beam-search cache".
-        """
+        """Positions held, not slots: `keys` has `num_beams` slots per position (docs/performance.md)."""
         return self.length if self.is_initialized else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -523,10 +526,7 @@ class BeamSearchCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        """Sentences still in the batch.
-
-        See docs/performance.md, "Finished sentences leave the batch".
-        """
+        """Sentences still in the batch (docs/performance.md, "Finished sentences leave the batch")."""
         return self.ancestry.shape[0]
 
     def update(

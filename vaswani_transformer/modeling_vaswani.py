@@ -332,11 +332,8 @@ class DecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """`(batch, target_len, d_model)` -> `(batch, target_len, d_model)`.
-
-        `attention_mask` is the causal (and padding) mask of §3.2.3; `encoder_hidden_states` is
-        `(batch, source_len, d_model)` with its padding mask `encoder_attention_mask`.
-        """
+        """`(batch, target_len, d_model)` -> the same; `attention_mask` is the causal (and padding) mask of §3.2.3,
+        `encoder_hidden_states` `(batch, source_len, d_model)` has the padding mask `encoder_attention_mask`."""
         hidden_states = self.self_attn_sublayer(
             hidden_states,
             lambda x: self.self_attn(x, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0],
@@ -690,6 +687,9 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         # transformers 5 has no translation task: `pipeline("translation", trust_remote_code=True)` reads ours here.
         pipeline = {"impl": f"pipeline_vaswani.{TranslationPipeline.__name__}", "pt": ["AutoModelForSeq2SeqLM"]}
         config.custom_pipelines = getattr(config, "custom_pipelines", None) or {"translation": pipeline}
+        # save_pretrained names only the saved class in `auto_map`: AutoModel (remote code) loads the base model.
+        base_model = {"AutoModel": f"modeling_vaswani.{VaswaniModel.__name__}"}
+        config.auto_map = {**base_model, **(getattr(config, "auto_map", None) or {})}
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
