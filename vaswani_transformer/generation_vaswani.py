@@ -245,8 +245,10 @@ class VaswaniGenerationMixin(GenerationMixin):
             kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
         if generation_config is not None:  # what this call added goes into a copy of the given config, where
             generation_config = copy.deepcopy(generation_config)  # transformers asks for it, not beside it
-            for key in kwargs.keys() - passed:
+            for key in (added := kwargs.keys() - passed):
                 setattr(generation_config, key, kwargs.pop(key))
+            if "max_new_tokens" in added:  # it holds the config's max_length now, which would only clash with it
+                generation_config.max_length = None
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
@@ -457,8 +459,6 @@ class BeamSearchCacheLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one position, `(batch, heads, num_beams, d_k)` keys and values (one per slot, or one for all).
-
-        See docs/performance.md, "The beam-search cache".
 
         Returns:
             All keys and values, `(batch, heads, length * num_beams, d_k)`, position-major.
