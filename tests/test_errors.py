@@ -546,12 +546,19 @@ def test_a_byte_order_mark_is_removed_with_one_warning_from_corpora_and_input(mu
     assert list(iter_lines(io.BytesIO("\ufeffTwo dogs.\nA cat.\n".encode()), "<stdin>")) == ["Two dogs.", "A cat."]
 
 
-def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines(tmp_path):
-    (tmp_path / "train.en").write_bytes(b"one\rstill one\ntwo\r\nthree\n")
-    (tmp_path / "train.de").write_bytes(b"eins\nzwei\ndrei\n")
-    corpus = load_parallel_corpus(tmp_path, "en", "de")
-    assert corpus["train"]["en"] == ["one\rstill one", "two", "three"]
+def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines_with_one_warning(tmp_path, caplog):
+    (tmp_path / "train.en").write_bytes(b"one\rstill one\ntwo\r\nthree\rstill three\n")
+    (tmp_path / "train.de").write_bytes(b"eins\r\nzwei\r\ndrei\r\n")
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
+        corpus = load_parallel_corpus(tmp_path, "en", "de")
+    assert corpus["train"]["en"] == ["one\rstill one", "two", "three\rstill three"]
     assert corpus["train"]["de"] == ["eins", "zwei", "drei"]
+    # One warning for the file with carriage returns inside its lines (not for the CRLF one): a file whose lines
+    # end with carriage returns alone would be one line, so the warning says how to convert it.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'train.en'}, line 1: a carriage return inside the line, kept as text. Lines end at line feeds; "
+        "if the file's lines end with carriage returns alone, convert it first: tr '\\r' '\\n' < IN > OUT."
+    ]
     # Of a line's carriage returns, only the one of a CRLF ending goes.
     assert list(iter_lines(io.BytesIO(b"one\r\r\ntwo\r"))) == ["one\r", "two\r"]
 

@@ -73,8 +73,10 @@ def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) ->
     """The lines of a UTF-8 text file or binary stream, without line ends, one at a time.
 
     Lines end at a line feed only (a carriage return before it is dropped), as `wc -l` counts them;
-    a UTF-8 byte-order mark at the start is removed, with one warning. A missing file is reported at
-    once, but the file is opened only when the first line is asked for, and closed after the last.
+    a carriage return elsewhere stays in the text, with one warning (a file whose lines end with
+    carriage returns alone is one line); a UTF-8 byte-order mark at the start is removed, with one
+    warning. A missing file is reported at once, but the file is opened only when the first line is
+    asked for, and closed after the last.
 
     See docs/robustness.md, "Bad input".
 
@@ -104,6 +106,7 @@ def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> It
             yield from _decoded_lines(handle, name or str(source))
         return
     name = name or getattr(source, "name", "input")
+    warned = False
     for number, raw in enumerate(source, start=1):
         if number == 1 and raw.startswith(codecs.BOM_UTF8):
             # A byte-order mark is no part of the first sentence (editors on Windows write one).
@@ -112,7 +115,15 @@ def _decoded_lines(source: str | os.PathLike | BinaryIO, name: str | None) -> It
         try:
             line = raw.decode("utf-8")
             # A carriage return goes only as part of a CRLF ending: any other belongs to the text.
-            yield line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
+            line = line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
+            if "\r" in line and not warned:  # most likely a file whose lines end with CRs alone: one "line"
+                logger.warning(
+                    "%s, line %d: a carriage return inside the line, kept as text. Lines end at line feeds; if the "
+                    "file's lines end with carriage returns alone, convert it first: tr '\\r' '\\n' < IN > OUT.",
+                    name, number,
+                )  # fmt: skip
+                warned = True
+            yield line
         except UnicodeDecodeError as error:
             raise ValueError(
                 f"{name}, line {number}: not valid UTF-8 ({error.reason}, byte {error.start + 1} of the line); "
