@@ -405,6 +405,19 @@ def test_learned_positions_cap_the_length_without_raising_max_length(tokenizer, 
     assert model.generate(**inputs, num_beams=1).shape[1] <= 10
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_learned_positions_stop_generation_at_the_last_position_after_a_decoder_prompt(tokenizer, num_beams):
+    # Table 3, row E: no position vector beyond max_position_embeddings. A prompt of 3 tokens takes 3 of the 8
+    # positions; of the new tokens all but the last are fed back, so 8 + 1 - 3 = 6 new tokens fit: 9 in all.
+    model = random_model(tokenizer, seed=11, position_embedding_type="learned", max_position_embeddings=8)
+    model.generation_config.max_length_a = model.generation_config.max_length_b = None
+    inputs = tokenizer(["Two dogs run."], return_tensors="pt")  # fewer than 8 tokens: the encoder's positions
+    prompt = torch.tensor([[model.config.decoder_start_token_id, 100, 101]])
+    suppress = [model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id]  # never ends early
+    output = model.generate(**inputs, decoder_input_ids=prompt, num_beams=num_beams, suppress_tokens=suppress)
+    assert output.shape == (1, 9) and torch.equal(output[:, :3], prompt)
+
+
 def test_beam_search_returns_an_ordinary_tensor_outside_inference_mode(tokenizer, test_sentences):
     # The search runs in inference mode; what it returns may be changed in place, as transformers' output may.
     model = random_model(tokenizer, seed=3)

@@ -212,11 +212,11 @@ class VaswaniGenerationMixin(GenerationMixin):
         passed = set(kwargs)
         num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
         given = generation_config or GenerationConfig()
+        prompt_len = 1 if kwargs.get("decoder_input_ids") is None else kwargs["decoder_input_ids"].shape[1]
         max_length = kwargs.pop("max_length", None) or given.max_length
         if max_length is not None and (kwargs.get("max_new_tokens") or given.max_new_tokens) is None:
             # The caller's max_length, which the model's max_new_tokens would otherwise overrule.
-            prompt = kwargs.get("decoder_input_ids")
-            kwargs["max_new_tokens"] = max_length - (1 if prompt is None else prompt.shape[1])
+            kwargs["max_new_tokens"] = max_length - prompt_len
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
@@ -233,9 +233,9 @@ class VaswaniGenerationMixin(GenerationMixin):
             logits_processor = LogitsProcessorList([*(logits_processor or []), SourceLengthLimit(limits, eos)])
             _cap_new_tokens(kwargs, config, int(limits.max()) + 1)  # room for the final </s>
         if self.config.position_embedding_type == "learned":
-            # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of
-            # failing in the middle of a batch. The last generated token is never fed back, hence no - 1.
-            _cap_new_tokens(kwargs, config, self.config.max_position_embeddings)
+            # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of failing in
+            # the middle of a batch. The prompt takes prompt_len of them; the last generated token is never fed back.
+            _cap_new_tokens(kwargs, config, self.config.max_position_embeddings + 1 - prompt_len)
         if (alpha := kwargs.get("length_penalty", config.length_penalty)) is not None:
             check_length_penalty(alpha)
         if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
