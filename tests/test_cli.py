@@ -165,11 +165,15 @@ def test_evaluate_translates_a_test_set_and_reports_sacrebleu(trained_model_dir,
     assert "left as it is" not in capsys.readouterr().err
     results = ModelCard.load(copy / "README.md").data.eval_results
     assert ("multi30k", "again") in {(r.dataset_type, r.dataset_split) for r in results}
-    # Translations written over the test set's own files are refused before anything is translated.
-    for given in (source, reference):
-        text = given.read_text()
+    # Translations written over the test set's own files, by name or through a link, are refused before anything
+    # is translated.
+    (tmp_path / "hard.en").hardlink_to(source)
+    (tmp_path / "soft.de").symlink_to(reference)
+    for given, original in ((source, source), (reference, reference), (tmp_path / "hard.en", source),
+                            (tmp_path / "soft.de", reference)):  # fmt: skip
+        text = original.read_text()
         assert main(["evaluate", "--model", str(trained_model_dir), *files, "--output", str(given)]) == 2
-        assert "would overwrite it" in capsys.readouterr().err and given.read_text() == text
+        assert "would overwrite it" in capsys.readouterr().err and original.read_text() == text
 
 
 def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_path, capsys):

@@ -95,7 +95,7 @@ def test_converted_marian_matches_on_every_multi30k_test_sentence(tokenizer, cor
         assert torch.equal(ours.generate(**inputs, num_beams=4, max_new_tokens=12), expected), start
 
 
-def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, corpus):
+def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, corpus, capsys):
     import sentencepiece as spm
     from transformers import MarianTokenizer
 
@@ -136,6 +136,11 @@ def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, c
     marian.save_pretrained(untokenized)
     assert main(["convert-marian", str(untokenized), str(tmp_path / "none")]) == 2
     assert not (tmp_path / "hub").exists() and not (tmp_path / "none").exists()
+    # A model of another kind (here this package's own, converted above) is named as such, not loaded as Marian.
+    capsys.readouterr()
+    assert main(["convert-marian", str(tmp_path / "converted"), str(tmp_path / "again")]) == 2
+    assert "holds a vaswani_transformer model, not a Marian one" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
 
     converted_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "converted")
     assert type(converted_tokenizer).__name__ == "MarianTokenizer"

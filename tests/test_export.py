@@ -84,6 +84,39 @@ def test_a_cached_export_is_made_again_for_other_weights_of_the_same_size_and_ti
     assert (ctranslate2_export(str(model_dir)) / "model.bin").read_bytes() != exported_bytes
 
 
+def test_an_export_the_user_named_is_never_replaced_by_one_of_other_weights(trained_model_dir, tmp_path, capsys):
+    # `--ctranslate2-dir` names the user's own export (an int8 one, another model's): it is refused, not replaced,
+    # where the model's own cache (MODEL/ctranslate2) is made again.
+    model_dir = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("ctranslate2"))
+    theirs = tmp_path / "theirs"
+    assert main(["export-ctranslate2", str(trained_model_dir), str(theirs), "--quantization", "int8"]) == 0
+    _flip_weights(model_dir)
+    exported_bytes = (theirs / "model.bin").read_bytes()
+    with pytest.raises(ValueError, match=rf"{theirs} holds a CTranslate2 export of other weights .* --force"):
+        ctranslate2_export(str(model_dir), theirs)
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    argv = ["translate", "--model", str(model_dir), "--input", str(source), "--engine", "ctranslate2"]
+    assert main([*argv, "--ctranslate2-dir", str(theirs)]) == 2
+    assert "export-ctranslate2" in capsys.readouterr().err and (theirs / "model.bin").read_bytes() == exported_bytes
+    assert ctranslate2_export(str(trained_model_dir), theirs) == theirs  # its own model's weights: used
+
+
+def test_the_ctranslate2_engine_refuses_a_device_it_cannot_use_before_exporting(trained_model_dir, tmp_path, capsys):
+    model_dir = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("ctranslate2"))
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n")
+    argv = ["translate", "--model", str(model_dir), "--input", str(source), "--engine", "ctranslate2"]
+    devices = ["cuda:1", "mps"] + (["cuda"] if ctranslate2.get_cuda_device_count() == 0 else [])
+    for device in devices:
+        assert main([*argv, "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and "CTranslate2" in err, err
+    assert not (model_dir / "ctranslate2").exists()  # refused before any export
+    with pytest.raises(OSError, match=r"does-not-exist does not exist; give a model directory"):
+        ctranslate2_export(str(tmp_path / "does-not-exist"))
+
+
 def test_weights_replaced_during_an_export_are_not_recorded_as_exported(trained_model_dir, tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     shutil.copytree(trained_model_dir, model_dir, ignore=shutil.ignore_patterns("checkpoints"))

@@ -201,6 +201,9 @@ print(api.upload_folder(folder_path={str(corpus)!r}, repo_id="org/multi30k-mini"
 
 def test_push_command_reports_a_refused_upload_as_an_error_not_a_traceback(hub, trained_model_dir, tmp_path):
     model_dir = shutil.copytree(trained_model_dir, tmp_path / "translator")
+    card = model_dir / "README.md"
+    card.write_text(card.read_text() + "\n## Notes\n\nWritten by hand.\n")
+    card_before = card.read_text()
     result = run_client(
         hub, tmp_path / "push", "-m", "vaswani_transformer.cli", "push", str(model_dir), "--repo-id", "org/refused",
         token="hf_wrong_token", check=False,
@@ -209,6 +212,15 @@ def test_push_command_reports_a_refused_upload_as_an_error_not_a_traceback(hub, 
     assert result.stderr.startswith("vaswani-transformer push: error:") and "Traceback" not in result.stderr
     assert "org/refused" in result.stderr and "401" in result.stderr, result.stderr
     assert not hub.repo_dir("org/refused").exists()
+    # A push that fails before anything is uploaded leaves the local card as it was (it is rewritten for the
+    # repository only once that exists); so does an id that is none.
+    assert card.read_text() == card_before
+    result = run_client(
+        hub, tmp_path / "push-bad-id", "-m", "vaswani_transformer.cli", "push", str(model_dir), "--repo-id", "bad id!!",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "bad id!!" in result.stderr, result.stderr
+    assert card.read_text() == card_before
 
 
 def test_model_card_is_titled_by_the_model_and_says_truly_how_to_load_it(trained_model_dir, tmp_path):

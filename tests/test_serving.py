@@ -319,6 +319,15 @@ def test_the_models_languages_come_from_its_files_or_the_options(trained_model_d
 
 
 def test_serve_fails_in_one_line_without_languages_or_on_a_busy_port(trained_model_dir, tmp_path, capsys):
+    # A model path that does not exist is named as such (not as a malformed Hub id, nor as a model without languages).
+    for missing in (str(tmp_path / "typo"), "./typo"):
+        assert main(["serve", missing]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"{missing} does not exist" in error, error
+    # An address this machine does not have is the host's fault, not the port's.
+    assert main(["serve", str(trained_model_dir), "--host", "999.1.1.1"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "check --host" in error, error
     bare = tmp_path / "bare"
     shutil.copytree(trained_model_dir, bare, ignore=shutil.ignore_patterns("checkpoints", "*.json", "README.md"))
     assert main(["serve", str(bare)]) == 2

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -300,7 +301,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         raise ValueError(f"{args.source} is empty: give a test set with one sentence per line.")
     if args.output:
         for option, path in (("--source", args.source), ("--reference", args.reference)):
-            if Path(args.output).resolve() == Path(path).resolve():
+            if Path(args.output).exists() and os.path.samefile(args.output, path):  # links, hard or symbolic, too
                 raise ValueError(
                     f"--output {args.output} is the {option} file: the translations would overwrite it. "
                     "Name another file."

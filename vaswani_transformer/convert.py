@@ -22,6 +22,7 @@ Marian converter.
 """
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -198,8 +199,9 @@ def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, pap
     Raises:
         OSError: `source_dir` is no local directory (a Hub id: download it first), holds no tokenizer
             files, or holds no loadable Marian model.
-        ValueError: `output_dir` is `source_dir` (saving would overwrite the Marian model), or already
-            holds a model or tokenizer (their files would mix with the new ones); see also `from_marian`.
+        ValueError: `source_dir` holds a model of another kind, `output_dir` is `source_dir` (saving would
+            overwrite the Marian model), or already holds a model or tokenizer (their files would mix with
+            the new ones); see also `from_marian`.
     """
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     if output_dir.resolve() == source_dir.resolve():
@@ -216,6 +218,13 @@ def convert_marian_directory(source_dir: str | Path, output_dir: str | Path, pap
         raise OSError(
             f"{source_dir} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): the converted model would have none. "
             "Save the Marian tokenizer beside its model (MarianTokenizer.save_pretrained)."
+        )
+    config_file = source_dir / "config.json"  # without one, from_pretrained says so below
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else "marian"
+    if model_type != "marian":
+        raise ValueError(
+            f"{source_dir} holds a {model_type} model, not a Marian one: convert-marian imports MarianMTModel "
+            "(OPUS-MT) models. A model of this package needs no conversion: from_pretrained loads it."
         )
     taken = [name for name in ("config.json", "model.safetensors", *TOKENIZER_FILES) if (output_dir / name).exists()]
     if taken:

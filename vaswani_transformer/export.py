@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from .convert import DEFAULT_MAX_POSITIONS, to_marian
 from .generation_vaswani import PAPER_MAX_LENGTH_B, check_length_penalty, check_num_beams, gnmt_length_penalty
+from .hub import check_model_exists
 from .tokenization import tokenizer_lock
 
 logger = logging.getLogger(__name__)
@@ -292,14 +293,16 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
 
     Raises:
         ImportError: ctranslate2 is not installed.
-        ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model (it is
-            never overwritten then), or from `export_ctranslate2`.
-
-        OSError: from `export_ctranslate2`.
+        ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model, or, given
+            explicitly, an export of other weights (it is never overwritten then), or from
+            `export_ctranslate2`.
+        OSError: `model` is a local path that does not exist, or from `export_ctranslate2`.
 
     An export is reused while the weights it was made from (their SHA-256, recorded beside it) are
-    the model's; exports that predate the record are made again.
+    the model's; in the default place, an export of other weights, or one that predates the record,
+    is made again.
     """
+    check_model_exists(model)
     if Path(model).is_dir():
         local = Path(model)
     else:
@@ -311,6 +314,12 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     if _made_from(target, digest):
         return target
     _check_holds_no_other_files(target)
+    if ct2_dir and digest is not None and (target / "model.bin").is_file():  # the user's: perhaps another model's
+        raise ValueError(
+            f"{target} holds a CTranslate2 export of other weights than {model}'s (or one too old to say); "
+            f"replace it with `vaswani-transformer export-ctranslate2 {model} {target} --force`, or give another "
+            "--ctranslate2-dir."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     # Into a private directory first, so that a process that dies half-way leaves no half export behind, and
     # two exports at once (threads or processes) never write into one.
@@ -349,14 +358,21 @@ def load_ctranslate2_engine(
 
     Raises:
         ImportError: ctranslate2 is missing.
-        OSError, ValueError: from `ctranslate2_export`; ValueError: a beam size below 1 or a length penalty
-            that is not finite (refused before any export).
+        OSError, ValueError: from `ctranslate2_export`; ValueError: a beam size below 1, a length penalty
+            that is not finite, a device other than cpu, or cuda where CTranslate2 sees no GPU (refused
+            before any export).
     """
     check_num_beams(num_beams)
     if length_penalty is not None:
         check_length_penalty(length_penalty)
+    device = device or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the CTranslate2 engine runs on cpu or cuda.")
+    ctranslate2, _ = _import_ctranslate2()
+    if device == "cuda" and ctranslate2.get_cuda_device_count() == 0:
+        raise ValueError("device 'cuda': CTranslate2 sees no CUDA GPU here; use --device cpu.")
     exported = ctranslate2_export(model, ct2_dir)
     tokenizer = AutoTokenizer.from_pretrained(model)
     generation_config = GenerationConfig.from_pretrained(model)
-    engine = CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device or "cpu", length_penalty)
+    engine = CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device, length_penalty)
     return engine, tokenizer

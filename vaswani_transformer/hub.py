@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_card_template.md"
@@ -82,6 +83,21 @@ def ensure_writable(path: str | Path, is_file: bool = False) -> Path:
     return path
 
 
+def check_model_exists(model: str) -> None:
+    """Refuse a model given as a local path (absolute, or starting with ".", "~") that does not exist.
+
+    Anything else may be a Hub id, which `from_pretrained` looks up; a path with a typo would
+    otherwise get the Hub's complaint about repository ids instead of its own name.
+
+    See docs/robustness.md, "Bad input".
+
+    Raises:
+        OSError: `model` is such a path and does not exist; the message names it.
+    """
+    if not Path(model).expanduser().exists() and (Path(model).is_absolute() or model.startswith((".", "~"))):
+        raise OSError(f"{model} does not exist; give a model directory written by `train`, or a Hub id.")
+
+
 # `push`'s commit message unless the user gives one.
 COMMIT_MESSAGE = "Upload Transformer translator"
 
@@ -113,7 +129,9 @@ def push_translator(
 
     Raises:
         ValueError: `output_dir` holds no saved model (no config.json or model.safetensors).
-        huggingface_hub.errors.HfHubHTTPError: the Hub refused (authentication, permissions).
+        huggingface_hub.errors.HFValidationError: `repo_id` is no repository id (before anything is written).
+        huggingface_hub.errors.HfHubHTTPError: the Hub refused (authentication, permissions); the card is
+            rewritten only once the repository exists.
     """
     output_dir = Path(output_dir)
     missing = [name for name in ("config.json", "model.safetensors") if not (output_dir / name).is_file()]
@@ -122,9 +140,11 @@ def push_translator(
             f"{output_dir} is not a saved model: {', '.join(missing)} missing. Push the output directory of "
             "`vaswani-transformer train` (or of save_pretrained)."
         )
-    write_model_card(output_dir, model_id=repo_id)  # its usage snippet names the repository
+    validate_repo_id(repo_id)
     api = HfApi(token=token)
+    # The repository first: a push refused there (an id, the network, a token) leaves the local card as it was.
     api.create_repo(repo_id, private=private, exist_ok=True)
+    write_model_card(output_dir, model_id=repo_id)  # its usage snippet names the repository
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=output_dir,

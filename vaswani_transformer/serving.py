@@ -19,6 +19,7 @@
 import asyncio
 import contextlib
 import copy
+import errno
 import json
 import logging
 import queue
@@ -49,6 +50,7 @@ except ImportError as error:
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation_vaswani import check_length_penalty, check_num_beams
+from .hub import check_model_exists
 from .serving_config import ENGINES, ServingConfig
 from .text_format import split_text
 
@@ -97,8 +99,10 @@ def model_languages(model: str, source_lang: str | None = None, target_lang: str
         source_lang, target_lang: codes that take precedence over the files.
 
     Raises:
+        OSError: `model` is a local path that does not exist (`hub.check_model_exists`).
         ValueError: a language is given by neither the arguments nor the files.
     """
+    check_model_exists(model)
     if source_lang and target_lang:
         return source_lang, target_lang
     found: tuple[str | None, str | None] = (None, None)
@@ -688,7 +692,9 @@ def serve(
         try:
             sock.bind((host, port))  # not listening yet: clients are refused until the model is loaded
         except OSError as error:
-            raise OSError(f"cannot listen on {host}:{port}: {error.strerror}; choose another --port") from error
+            host_error = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
+            advice = "check --host" if host_error else "choose another --port"
+            raise OSError(f"cannot listen on {host}:{port}: {error.strerror}; {advice}") from error
         if threads is not None:
             import torch
 

@@ -26,6 +26,7 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from .export import CTranslate2Engine
 from .generation_vaswani import check_num_beams
+from .hub import check_model_exists
 from .serving_config import BATCH_SIZE, LONG_INPUTS
 from .tokenization import tokenizer_lock
 
@@ -60,8 +61,7 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
     local = Path(model_dir).expanduser()
     if local.is_dir() and not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise OSError(f"{model_dir} holds no tokenizer (tokenizer.json); save one beside the model, as `train` does.")
-    if not local.exists() and (Path(model_dir).is_absolute() or model_dir.startswith((".", "~"))):
-        raise OSError(f"{model_dir} does not exist; give a model directory written by `train`, or a Hub id.")
+    check_model_exists(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
