@@ -179,6 +179,20 @@ def test_empty_strings_and_empty_batches_translate_to_empty_output(translator):
     assert streamed[0] == streamed[2] == "" and streamed[1] == translations[1]
 
 
+def test_translate_into_a_pipe_whose_reader_has_gone_stops_quietly(translator_dir, tmp_path):
+    # `translate ... | head -n 1`: no "Broken pipe" error and no traceback, the status of a Unix tool ended by SIGPIPE.
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n" * 300)
+    command = (
+        f"{sys.executable} -m vaswani_transformer.cli translate --model {translator_dir} --input {source} "
+        "--batch-size 1 | head -n 1"
+    )
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=300)
+    assert result.stdout.count("\n") == 1, result.stdout
+    assert "Broken pipe" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 141, result.stderr[-2000:]
+
+
 def test_translate_command_keeps_empty_lines_and_accepts_an_empty_file(translator_dir, tmp_path, capsys):
     source = tmp_path / "in.en"
     source.write_text("\nA dog.\n\n", encoding="utf-8")

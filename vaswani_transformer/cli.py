@@ -5,6 +5,7 @@ Expected failures (bad paths, bad values) print one line on stderr and exit with
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -461,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0, or 2 after one line on stderr for an expected failure (a ValueError,
+        The exit status: 0; 141 (128 + SIGPIPE), quietly, when the reader of the output has gone; or
+        2 after one line on stderr for an expected failure (a ValueError,
         OSError, MemoryError or BrokenExecutor, or the ImportError of an optional dependency not
         installed: a bad path or value, a full device, a missing extra, a worker of `--num-workers`
         killed). Invalid options exit with
@@ -480,6 +482,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]
     try:
         command(args)
+    except BrokenPipeError:
+        # The reader of the output left (`translate ... | head`): stop quietly, as Unix tools do (128 + SIGPIPE),
+        # with nothing left to flush into the closed pipe at exit.
+        with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor (a test's) has none to close
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, OSError, ImportError, MemoryError, BrokenExecutor) as error:
         # The package says which extra to install by chaining the ImportError it explains
         # (`raise ImportError(advice) from error`); any other ImportError is a bug, shown with its traceback.
