@@ -125,6 +125,9 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_parameters_bitwise(mi
     averaged, last = weights(tmp_path / "avg"), ckpt.load_weights(ckpt.list_checkpoints(checkpoints)[-1])
     assert_bitwise_equal(averaged, {name: last[name] for name in averaged})
 
+    # Killed while appending to its log, a run leaves half a record there: the resumed run leaves it out.
+    with open(tmp_path / "killed" / "training_log.jsonl", "a", encoding="utf-8") as log_file:
+        log_file.write('{"step": 99, "train_lo')
     resumed = train(mini_run(mini_corpus, tmp_path / "killed", resume=True))
     assert_bitwise_equal(weights(resumed), weights(uninterrupted))
     last = ckpt.list_checkpoints(checkpoints)[-1]
@@ -153,6 +156,12 @@ def test_a_new_run_refuses_to_overwrite_a_trained_model_without_checkpoints(
         assert main(cli_arguments(mini_run(mini_corpus, finished, resume=resume))) == 2
         assert "already holds a trained model" in capsys.readouterr().err
     assert (finished / "model.safetensors").read_bytes() == before
+    # Nor a model saved in PyTorch's pickle format (or a user's directory of one), whose config.json a run rewrites.
+    (finished / "model.safetensors").rename(finished / "pytorch_model.bin")
+    config_before = (finished / "config.json").read_bytes()
+    assert main(cli_arguments(mini_run(mini_corpus, finished))) == 2
+    assert "already holds a trained model (pytorch_model.bin)" in capsys.readouterr().err
+    assert (finished / "config.json").read_bytes() == config_before
 
 
 @pytest.mark.parametrize("budget", [dict(max_steps=None, max_minutes=0.02), dict(eval_steps=2, bleu_sentences=8)])
@@ -250,6 +259,28 @@ def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupt
     (tmp_path / "a-file").write_text("")
     assert main(["average", str(uninterrupted), "--last", "2", "--output-dir", str(tmp_path / "a-file")]) == 2
     assert (tmp_path / "a-file").read_text() == ""
+
+
+def test_average_never_writes_over_another_run_or_model(uninterrupted, tmp_path, capsys):
+    other = shutil.copytree(uninterrupted, tmp_path / "other-run")
+    before = {path.name: path.read_bytes() for path in other.iterdir() if path.is_file()}
+    assert main(["average", str(uninterrupted), "--last", "2", "--output-dir", str(other)]) == 2
+    assert "already holds checkpoints, config.json, model.safetensors, tokenizer.json" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in other.iterdir() if path.is_file()} == before
+    # An empty directory, or the run's own (given by name), is fine.
+    (tmp_path / "empty").mkdir()
+    assert main(["average", str(uninterrupted), "--last", "2", "--output-dir", str(tmp_path / "empty")]) == 0
+    assert main(["average", str(other), "--last", "2", "--output-dir", str(other)]) == 0
+
+
+def test_checkpoints_that_do_not_fit_the_config_are_named_in_one_line(uninterrupted, tmp_path, capsys):
+    run = shutil.copytree(uninterrupted, tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    config["vocab_size"] += 20  # another run's config.json, copied beside these checkpoints
+    (run / "config.json").write_text(json.dumps(config))
+    assert main(["average", str(run), "--last", "2"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "do not fit the model its config.json describes" in error, error
 
 
 def test_the_card_names_the_checkpoints_the_weights_average(uninterrupted, tmp_path):

@@ -23,6 +23,7 @@ loads (§6.1).
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -38,6 +39,7 @@ from .configuration_vaswani import VaswaniConfig
 from .hub import ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
+logger = logging.getLogger(__name__)
 WEIGHTS_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.pt"
 STATE_NAME = "trainer_state.json"
@@ -145,15 +147,43 @@ def check_loaded_names(missing: list[str], unexpected: list[str], config: Vaswan
         raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
 
 
+def read_log(log: Path) -> list[dict]:
+    """The records of a run's `training_log.jsonl`, up to the first that is not whole JSON.
+
+    A run killed while appending a record leaves half a line; it, and anything after it, is left
+    out with one warning, so that the run resumes (its checkpoint comes before that record).
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
+    records = []
+    for number, line in enumerate(Path(log).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("%s, line %d: not a whole record (a run killed while writing it); it and any after it "
+                           "are left out.", log, number)  # fmt: skip
+            break
+    return records
+
+
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load weights written by `model_state` (tied copies of the embedding left out) into `model`.
 
     See docs/training.md, "Training at scale, and runs that survive being killed".
 
     Raises:
-        CheckpointError: a weight of the model is missing or the file holds unknown weights.
+        CheckpointError: a weight of the model is missing, the file holds unknown weights, or weights whose
+            shapes are not the model's (its config.json is another model's).
     """
-    check_loaded_names(*model.load_state_dict(state, strict=False), model.config)
+    try:
+        loaded = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # shapes: the first lines of torch's message name the weights
+        shapes = " ".join(line.strip() for line in str(error).splitlines()[1:3])
+        raise CheckpointError(
+            f"the weights do not fit the model its config.json describes ({shapes}); the config.json beside the "
+            "checkpoints must be the one the run trained with."
+        ) from None
+    check_loaded_names(*loaded, model.config)
 
 
 def _sha256(path: Path) -> str:
@@ -482,8 +512,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         The directory written, loadable with `from_pretrained`.
 
     Raises:
-        ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many), or
-            it holds no config.json.
+        ValueError: `last` is not positive, the run has fewer than `last` checkpoints (says how many),
+            it holds no config.json, or `output_dir` (other than `run_dir`) already holds a run or a model.
         CheckpointError: one of them is damaged.
         OSError: `output_dir` cannot be written (a file, say), found before the model is built.
     """
@@ -501,6 +531,14 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
             f"{run_dir} holds no config.json: runs write it when they start, earlier versions when they end; "
             "copy the config.json of a model trained with the same settings into it."
         )
+    if output_dir is not None and Path(output_dir).resolve() != run_dir.resolve():
+        held = [name for name in ("checkpoints", "config.json", "model.safetensors", "tokenizer.json")
+                if (Path(output_dir) / name).exists()]  # fmt: skip
+        if held:  # another run's or model's: averaging there would overwrite it
+            raise ValueError(
+                f"{output_dir} already holds {', '.join(held)}: the averaged model would overwrite them. "
+                "Give a new or empty --output-dir, or leave it out to average into the run's directory."
+            )
     ensure_writable(output_dir or run_dir)  # transformers only logs a save to a file's path, and writes nothing
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
     model = VaswaniForConditionalGeneration(VaswaniConfig.from_pretrained(run_dir))

@@ -29,7 +29,7 @@ from accelerate.utils import (
 )
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
@@ -170,9 +170,10 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
             f"{output_dir} already holds the checkpoints of a run (latest: {existing[-1].name}). Pass --resume to "
             "continue it, or choose another --output-dir: a new run would overwrite them."
         )
-    if not existing and any((output_dir / name).is_file() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+    model_files = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, "tf_model.h5")
+    if not existing and (held := [name for name in model_files if (output_dir / name).is_file()]):
         raise ValueError(
-            f"{output_dir} already holds a trained model ({SAFE_WEIGHTS_NAME}) and no checkpoints to resume from. "
+            f"{output_dir} already holds a trained model ({held[0]}) and no checkpoints to resume from. "
             "Choose another --output-dir, or remove the model: a new run would overwrite it."
         )
 
@@ -392,12 +393,10 @@ class TrainingRun:
         if resume_from is not None:
             self._restore_checkpoint(resume_from)
             accelerator.print(f"Resuming from {resume_from} (step {self.state['step']}).")
-        log = self.log_path
-        records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+        records = ckpt.read_log(self.log_path) if self.log_path.is_file() else []
         if accelerator.is_main_process:  # without what a killed run logged after its checkpoint
-            ckpt.write_text_atomically(
-                log, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"])
-            )
+            kept = "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"])
+            ckpt.write_text_atomically(self.log_path, kept)
         if config.report_to:
             accelerator.init_trackers("vaswani_transformer", config={k: str(v) for k, v in asdict(config).items()})
         self.started = time.monotonic() - self.state["elapsed_seconds"]
