@@ -142,7 +142,12 @@ def test_a_run_resumes_only_with_the_settings_it_started_with(mini_corpus, tmp_p
     checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
     changed = mini_run(mini_corpus, output, max_steps=3, max_tokens=512, model_overrides={**MINI_MODEL, "d_ff": 128})
     changed.resume, changed.compile = True, True  # compiling pads the batches: another list of them
-    match = r"--model-option was .*'d_ff': 128.*; --max-tokens was 256, now 512; --compile was False, now True\."
+    # Another precision, and the best checkpoint chosen by BLEU where it was by loss (its best score another measure).
+    changed.mixed_precision, changed.bleu_sentences = "bf16", 8
+    match = (
+        r"--model-option was .*'d_ff': 128.*; --max-tokens was 256, now 512; --compile was False, now True; "
+        r"--mixed-precision was 'no', now 'bf16'; --bleu-sentences was 0, now 8\."
+    )
     with pytest.raises(ValueError, match=match) as error:
         training.train(changed)
     assert "training_config.json" in str(error.value) and "another --output-dir" in str(error.value)

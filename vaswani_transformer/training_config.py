@@ -18,14 +18,15 @@ from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_len
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
-# The settings that make a run what it is: its corpus, model, batches (`compile` pads them) and schedule. A resumed
-# run keeps them, for its checkpoint holds that model's weights and its place in those batches; the budgets, clocks,
-# logging and the decoding choice may change, and the tokenizer is the one saved beside the checkpoints
+# The settings that make a run what it is: its corpus, model, batches (`compile` pads them), schedule, precision and
+# the measure its best checkpoint is chosen by (BLEU or loss: `bleu_sentences` above 0 or not). A resumed run keeps
+# them, for its checkpoint holds that model's weights, its place in those batches and its best score; the budgets,
+# clocks, logging and the decoding choice may change, and the tokenizer is the one saved beside the checkpoints
 # (docs/training.md, "Training at scale, and runs that survive being killed").
 RUN_FIELDS = (
     "data", "dataset_config", "files", "source_lang", "target_lang", "max_length", "preset", "model_overrides",
     "max_tokens", "update_freq", "compile", "learning_rate_scale", "warmup_steps", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "seed",
+    "adam_epsilon", "seed", "mixed_precision", "bleu_sentences",
 )  # fmt: skip
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
@@ -278,6 +279,8 @@ class TrainingConfig:
                 same = _same_corpus(was, now)
             elif name in ("preset", "model_overrides"):  # named where it differs as written
                 same = was == now or same_model
+            elif name == "bleu_sentences":  # how many may change; not whether the best is chosen by BLEU or loss
+                same = bool(was) == bool(now)
             else:
                 same = was == now
             if not same:
