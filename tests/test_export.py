@@ -85,8 +85,8 @@ def test_a_cached_export_is_made_again_for_other_weights_of_the_same_size_and_ti
 
 
 def test_an_export_the_user_named_is_never_replaced_by_one_of_other_weights(trained_model_dir, tmp_path, capsys):
-    # `--ctranslate2-dir` names the user's own export (an int8 one, another model's): it is refused, not replaced,
-    # where the model's own cache (MODEL/ctranslate2) is made again.
+    # `--ctranslate2-dir` names the user's own export (here an int8 one of the weights before they changed): one of
+    # other weights is refused, not replaced, where the model's own cache (MODEL/ctranslate2) is made again.
     model_dir = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("ctranslate2"))
     theirs = tmp_path / "theirs"
     assert main(["export-ctranslate2", str(trained_model_dir), str(theirs), "--quantization", "int8"]) == 0
