@@ -254,6 +254,12 @@ def test_average_command_writes_a_loadable_model_of_the_mean_weights(uninterrupt
     if name not in nine:
         name = next(n for n in nine if n.endswith("weight") and nine[n].dim() == 2 and "shared" not in n)
     torch.testing.assert_close(model.state_dict()[name], (nine[name] + twelve[name]) / 2)
+    # The new directory says what it translates (`serve` reads that) and which checkpoints it averages.
+    from vaswani_transformer.serving import model_languages
+
+    assert model_languages(str(tmp_path / "averaged")) == ("en", "de")
+    assert json.loads((tmp_path / "averaged" / "training_config.json").read_text())["averaged_steps"] == [9, 12]
+    assert "last 2 checkpoints (steps 9 to 12)" in (tmp_path / "averaged" / "README.md").read_text()
     assert main(["average", str(uninterrupted), "--last", "9"]) == 2
     # A file where the model should go: refused (transformers' save_pretrained only logs it and writes nothing).
     (tmp_path / "a-file").write_text("")

@@ -506,7 +506,8 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         last: how many of the newest checkpoints to average.
         output_dir: where to write the model; default: `run_dir`, replacing its model. The run's
             generation_config.json (the decoding chosen on its validation set) is kept; its model
-            card's scores, measured on the weights replaced, are dropped.
+            card's scores, measured on the weights replaced, are dropped. Another directory gets the
+            run's training_config.json too (its languages, which `serve` reads) and a model card.
 
     Returns:
         The directory written, loadable with `from_pretrained`.
@@ -546,7 +547,9 @@ def average_run_checkpoints(run_dir: str | Path, last: int, output_dir: str | Pa
         model.generation_config = GenerationConfig.from_pretrained(run_dir)
     load_model_state(model, average_checkpoints(chosen))
     written = save_translator(model, tokenizer, output_dir or run_dir)
+    if written.resolve() != run_dir.resolve() and (run_dir / "training_config.json").is_file():
+        shutil.copy2(run_dir / "training_config.json", written / "training_config.json")  # the run's languages
     record_averaged_steps(written, chosen)
-    if (written / "README.md").is_file():  # the run's card: its scores were measured on the weights replaced
-        write_model_card(written, keep_results=False)
+    if (written / "README.md").is_file() or written.resolve() != run_dir.resolve():
+        write_model_card(written, keep_results=False)  # scores measured on the weights replaced go
     return written
