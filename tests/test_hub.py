@@ -248,7 +248,12 @@ def test_model_card_is_titled_by_the_model_and_says_truly_how_to_load_it(trained
     metric = flickr[0]["metrics"][0]
     assert len(flickr) == 1 and (metric["type"], metric["value"], metric["config"]) == ("sacrebleu", 31.5, signature)
     # Without a Hub id, the directory names the model.
-    assert ModelCard.load(write_model_card(model_dir)).text.lstrip().startswith("# model\n")
+    card = ModelCard.load(write_model_card(model_dir)).text
+    assert card.lstrip().startswith("# model\n")
+    # A log that a killed run left with half a record at its end: the card reads the last whole one.
+    with open(model_dir / "training_log.jsonl", "a", encoding="utf-8") as log:
+        log.write('{"step": 99, "train_lo')
+    assert ModelCard.load(write_model_card(model_dir)).text == card
 
 
 def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_dataset(trained_model_dir, tmp_path):

@@ -244,8 +244,13 @@ def _read_json(path: Path) -> dict:
 
 
 def _last_log_line(path: Path) -> dict:
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return json.loads(lines[-1]) if lines else {}
+    # The last whole record: a run killed while appending one leaves half a line after it.
+    for line in reversed(path.read_text(encoding="utf-8").splitlines() if path.is_file() else []):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
 
 
 def _dataset_name(data: str | None) -> str | None:
