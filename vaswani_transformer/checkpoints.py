@@ -154,6 +154,15 @@ def read_log(log: Path) -> list[dict]:
     out with one warning, so that the run resumes (its checkpoint comes before that record).
 
     See docs/training.md, "Training at scale, and runs that survive being killed".
+
+    Args:
+        log: a run's `training_log.jsonl`, one JSON record per line (step, losses, minutes, ...).
+
+    Returns:
+        The records, in order, as dicts.
+
+    Raises:
+        OSError: the file cannot be read.
     """
     records = []
     for number, line in enumerate(Path(log).read_text(encoding="utf-8").splitlines(), 1):

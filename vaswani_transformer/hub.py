@@ -244,13 +244,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _last_log_line(path: Path) -> dict:
+    from .checkpoints import read_log  # here: checkpoints imports this module
+
     # The last whole record: a run killed while appending one leaves half a line after it.
-    for line in reversed(path.read_text(encoding="utf-8").splitlines() if path.is_file() else []):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}
+    records = read_log(path) if path.is_file() else []
+    return records[-1] if records else {}
 
 
 def _dataset_name(data: str | None) -> str | None:
