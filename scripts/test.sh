@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs the project with its test dependencies and runs the test suite; exits non-zero on failure.
+# Installs the project with its test dependencies and runs the test suite at both ends of every supported
+# range (docs/compatibility.md): the newest releases in this environment, pyproject.toml's lower bounds in a
+# second one (.venv-oldest). Exits non-zero on failure. Arguments go to both pytest runs.
 # PyTorch is pinned first: its CPU build lies on the project's machines, and an unpinned `torch`
 # requirement with no torch installed would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -11,4 +13,22 @@ if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null 
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
         || echo "could not install chromium: the browser test of tests/test_serving.py will be skipped" >&2
 fi
-python -m pytest -q "$@"
+
+# The oldest end: every lower bound of pyproject.toml's dependencies, installed exactly.
+oldest=.venv-oldest
+python -m venv "$oldest"
+python - >"$oldest/constraints.txt" <<'EOF'
+import re, tomllib
+with open("pyproject.toml", "rb") as project:
+    for requirement in tomllib.load(project)["project"]["dependencies"]:
+        if bound := re.match(r"([\w.-]+)\s*>=\s*([\w.]+)", requirement):
+            print(f"{bound[1]}=={bound[2]}")
+EOF
+"$oldest/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
+"$oldest/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev]" -c "$oldest/constraints.txt"
+
+newest=$(command -v python)
+echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"
+VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q "$@"
+echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
+VASWANI_OTHER_END_PYTHON="$newest" "$oldest/bin/python" -m pytest -q "$@"

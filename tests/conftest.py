@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,23 @@ def cli_arguments(config: TrainingConfig) -> list[str]:
         else:
             arguments += [flag] if value is True else [flag, str(value)]
     return arguments
+
+
+def run_without_package(code: str, *args: str, cwd: Path, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """Run `code` under `python` with its environment's libraries but not this package, as a Hub user runs a model.
+
+    `-S` skips site-packages' path files, the editable install's hook among them; the site-packages directory
+    itself joins the path as a plain entry. `cwd` must not hold the package (the script's directory joins the path).
+    """
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    code = 'import importlib.util\nassert importlib.util.find_spec("vaswani_transformer") is None\n' + code
+    return subprocess.run(
+        [python, "-S", "-c", code, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": purelib},
+    )  # fmt: skip
 
 
 # Worker processes (`translation.map_in_workers`) are forked: Linux and other Unixes.

@@ -5,6 +5,9 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+# Imported first by every saved model (AutoConfig loads this file first): the import checks the running transformers.
+from .compat_vaswani import SUPPORTED_TRANSFORMERS  # noqa: F401
+
 # Table 3 of the paper gives the base and big models (N, d_model, d_ff, h, P_drop; d_k = d_v =
 # d_model / h). "small" is not in the paper: it is sized to train to a useful translator on a
 # 2-core CPU in about a quarter of an hour (Multi30k), keeping the paper's proportions d_ff = 4 d_model.
