@@ -1,12 +1,13 @@
 """Decoding as §6.1 decodes (`generation_vaswani.py`): beam search, length penalty and limit, against transformers."""
 
+import json
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import random_model, run_without_package
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import logits_process
@@ -428,3 +429,71 @@ def test_beam_search_returns_an_ordinary_tensor_outside_inference_mode(tokenizer
     with torch.inference_mode():
         again = model.generate(**inputs, num_beams=4, max_new_tokens=8)
     assert torch.equal(again[:, 1:], output[:, 1:])
+
+
+# generation_config.json values that cannot decode: (the change, what the refusal must name besides the file).
+GENERATION_CONFIGS_THAT_CANNOT_DECODE = [
+    ({"length_penalty": "abc"}, ["length_penalty", "a finite number such as 0.6", "'abc'"]),
+    ({"num_beams": -1}, ["num_beams", "at least 1"]),
+    ({"max_new_tokens": 0}, ["max_new_tokens", "greater than 0"]),
+    ({"length_penalty_type": "wu"}, ["length_penalty_type", "'gnmt'", "'hf'"]),
+    ({"max_length_b": "fifty"}, ["max_length_b", "a number of at least 0"]),
+]
+LOAD_EACH = """
+import json, sys
+from transformers import AutoModelForSeq2SeqLM
+refusals = []
+for path in sys.argv[1:]:
+    try:
+        AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+        refusals.append(None)
+    except ValueError as error:
+        refusals.append(str(error))
+print(json.dumps(refusals))
+"""
+
+
+def test_a_generation_config_json_that_cannot_decode_is_refused_at_load_naming_the_file(tmp_path):
+    # It loaded, and generate() then failed with a TypeError, or with a message that did not say where the value was.
+    model = random_model()
+    directories = []
+    for number, (changes, _) in enumerate(GENERATION_CONFIGS_THAT_CANNOT_DECODE):
+        directory = tmp_path / str(number)
+        model.save_pretrained(directory)
+        saved = json.loads((directory / "generation_config.json").read_text())
+        (directory / "generation_config.json").write_text(json.dumps({**saved, **changes}))
+        directories.append(directory)
+    without_package = run_without_package(LOAD_EACH, *map(str, directories), cwd=tmp_path)
+    assert without_package.returncode == 0, without_package.stderr[-3000:]
+    refusals = json.loads(without_package.stdout.strip().splitlines()[-1])
+    for directory, refused_remotely, (changes, names) in zip(
+        directories, refusals, GENERATION_CONFIGS_THAT_CANNOT_DECODE, strict=True
+    ):
+        with pytest.raises(ValueError) as refused:
+            AutoModelForSeq2SeqLM.from_pretrained(directory)
+        for message in (str(refused.value), refused_remotely):
+            assert message is not None and "\n" not in message, (changes, message)
+            assert str(directory / "generation_config.json") in message, message
+            assert all(name in message for name in names), (names, message)
+
+
+def test_generate_refuses_a_length_penalty_that_is_no_number_as_a_value_error(tokenizer, test_sentences):
+    inputs = tokenizer(test_sentences[0][:1], return_tensors="pt")
+    model = random_model(tokenizer)
+    with pytest.raises(ValueError, match="length_penalty must be a finite number such as 0.6, got 'abc'"):
+        model.generate(**inputs, length_penalty="abc")
+    with pytest.raises(ValueError, match="length_penalty must be a finite number such as 0.6, got 'abc'"):
+        model.generate(**inputs, generation_config=GenerationConfig(num_beams=2, length_penalty="abc"))
+
+
+@pytest.mark.parametrize(
+    "shape, what", [((0, 5), "an empty batch"), ((0, 0), "an empty batch"), ((2, 0), "a source of length 0")]
+)
+def test_generate_refuses_an_empty_batch_or_source_saying_which(shape, what):
+    model = random_model()
+    ids = torch.ones(shape, dtype=torch.long)
+    for num_beams in (1, 4):
+        with pytest.raises(ValueError, match=f"generate\\(\\) got {what}"):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=num_beams)
+        with pytest.raises(ValueError, match=f"generate\\(\\) got {what}"):
+            model.generate(ids, num_beams=num_beams)

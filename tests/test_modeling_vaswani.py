@@ -1,16 +1,18 @@
 """The model against §3 of the paper (`modeling_vaswani.py`), on real Multi30k sentences."""
 
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from conftest import random_model, seq2seq_batch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from conftest import random_model, run_without_package, seq2seq_batch
+from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
 from vaswani_transformer import modeling_vaswani, ops_vaswani
+from vaswani_transformer.compat_vaswani import cache_of
 from vaswani_transformer.modeling_vaswani import SinusoidalPositionalEncoding, shift_tokens_right
 
 
@@ -130,10 +132,12 @@ def test_later_decoder_inputs_never_change_earlier_logits(tokenizer, test_senten
     assert not torch.allclose(original[:, 5:], altered[:, 5:])
 
 
+@pytest.mark.parametrize("cache_name", ["cache", "past_key_values"])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences, cache_kind):
+def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, test_sentences, cache_kind, cache_name):
     # A dynamic cache holds only the positions seen, so a single new query needs no mask; a static one also
-    # holds empty slots, which the causal mask must hide.
+    # holds empty slots, which the causal mask must hide. The cache comes under the name transformers 5.24 gives
+    # it or under the older one, and goes back under the running release's.
     model = random_model(tokenizer)
     batch = seq2seq_batch(tokenizer, test_sentences[0][:3], test_sentences[1][:3])
     decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
@@ -149,10 +153,10 @@ def test_cached_incremental_decoding_equals_the_full_forward_pass(tokenizer, tes
                 attention_mask=batch["attention_mask"],
                 encoder_outputs=encoder_outputs,
                 decoder_input_ids=decoder_input_ids[:, t : t + 1],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_name: cache},
             )
-            cache = out.past_key_values
+            cache = cache_of(out)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -473,3 +477,64 @@ def test_sinusoidal_model_encodes_and_decodes_inputs_far_longer_than_any_seen_in
         **tokenizer(source, return_tensors="pt"), num_beams=2, min_new_tokens=4 * longest, max_new_tokens=4 * longest
     )
     assert generated.shape[1] == 4 * longest + 1
+
+
+# config.json fields that shape the weights, changed after saving: (the change, what the refusal must name).
+CONFIGS_THAT_DO_NOT_FIT = {
+    "one more encoder layer": ({"encoder_layers": 3}, ["encoder_layers=3", "encoder_layers=2", "encoder.layers.2."]),
+    "one fewer decoder layer": ({"decoder_layers": 1}, ["decoder_layers=1", "decoder_layers=2", "decoder.layers.1."]),
+    "another d_ff": ({"d_ff": 128}, ["d_ff=128", "d_ff=64"]),
+    "another vocab_size": ({"vocab_size": 120}, ["vocab_size=120", "vocab_size=100", "model.shared.weight"]),
+}
+LOAD_EACH = """
+import json, sys
+from transformers import AutoModelForSeq2SeqLM
+refusals = []
+for path in sys.argv[1:]:
+    try:
+        AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+        refusals.append(None)
+    except ValueError as error:
+        refusals.append(str(error))
+print(json.dumps(refusals))
+"""
+
+
+def test_a_config_json_that_does_not_describe_the_weights_is_refused_in_one_line(tmp_path):
+    # transformers initialises what the file lacks, drops what it has over and only warns: the model translated
+    # garbage. Refused by the model's class, so with the package and through the saved code (remote code) alike.
+    model = random_model()
+    directories = []
+    for name, (changes, _) in CONFIGS_THAT_DO_NOT_FIT.items():
+        directory = tmp_path / name.replace(" ", "-")
+        model.save_pretrained(directory)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **changes}))
+        directories.append(directory)
+    without_package = run_without_package(LOAD_EACH, *map(str, directories), cwd=tmp_path)
+    assert without_package.returncode == 0, without_package.stderr[-3000:]
+    assert "LOAD REPORT" not in without_package.stderr, "refused before transformers' report of what it would do"
+    refusals = json.loads(without_package.stdout.strip().splitlines()[-1])
+    for directory, refused_remotely, (changes, names) in zip(
+        directories, refusals, CONFIGS_THAT_DO_NOT_FIT.values(), strict=True
+    ):
+        with pytest.raises(ValueError) as refused:
+            AutoModelForSeq2SeqLM.from_pretrained(directory)
+        for message in (str(refused.value), refused_remotely):
+            assert message is not None and "\n" not in message, (changes, message)
+            assert str(directory) in message and all(name in message for name in names), (names, message)
+    # Sizes that differ still load where the caller asks transformers to initialise them anew.
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(directories[2], ignore_mismatched_sizes=True)
+    assert loaded.model.encoder.layers[0].feed_forward.fc1.weight.shape == (128, 32)
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_weights_absent_from_the_file_because_they_are_tied_are_not_missing(tmp_path, tie_word_embeddings):
+    model = random_model(tie_word_embeddings=tie_word_embeddings)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+    assert (loaded.lm_head.weight is loaded.model.shared.weight) == tie_word_embeddings
+    # The base model (AutoModel) from the same file: the output projection is the head's, left over by design.
+    base = AutoModel.from_pretrained(tmp_path)
+    torch.testing.assert_close(base.shared.weight, model.model.shared.weight)

@@ -1,26 +1,21 @@
 """A saved model without the package: trust_remote_code loads its copied code and pipeline (pipeline_vaswani.py)."""
 
 import json
-import os
-import subprocess
-import sysconfig
-import venv
 
-import torch
-from conftest import random_model
+from conftest import random_model, run_without_package
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from vaswani_transformer import VaswaniForConditionalGeneration
 
 # The modules `trust_remote_code` runs: the model's file and, through its relative imports, the rest.
 MODEL_CODE = {
-    "configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py", "pipeline_vaswani.py"
+    "compat_vaswani.py", "configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py",
+    "pipeline_vaswani.py",
 }  # fmt: skip
 SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the snow."]
 
 WITHOUT_PACKAGE = """
-import importlib.util, json, sys
-assert importlib.util.find_spec("vaswani_transformer") is None, "the package is importable"
+import json, sys
 from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 path, sentences = sys.argv[1], json.loads(sys.argv[2])
 model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
@@ -49,25 +44,7 @@ def test_a_fresh_environment_without_the_package_translates_like_the_package(tra
     saved = tmp_path / "resaved"
     AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).save_pretrained(saved)
     AutoTokenizer.from_pretrained(trained_model_dir).save_pretrained(saved)
-    # A new virtual environment that sees the installed dependencies (torch, transformers, ...)
-    # through a path file, but not this package: its editable install works through a .pth hook
-    # of the base environment's site-packages, which a plain path entry does not run.
-    environment = tmp_path / "venv"
-    venv.create(environment, with_pip=False)
-    python = environment / "bin" / "python"
-    site_packages = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    dependencies = {os.path.dirname(os.path.dirname(torch.__file__)), sysconfig.get_paths()["purelib"]}
-    with open(os.path.join(site_packages, "dependencies.pth"), "w") as pth:
-        pth.write("\n".join(sorted(dependencies)) + "\n")
-
-    result = subprocess.run(
-        [python, "-c", WITHOUT_PACKAGE, str(saved), json.dumps(SENTENCES)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
-    )  # fmt: skip
+    result = run_without_package(WITHOUT_PACKAGE, str(saved), json.dumps(SENTENCES), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     without = json.loads(result.stdout.strip().splitlines()[-1])
     # The classes came from the directory's copied code, not from an installed package.
@@ -113,3 +90,13 @@ def test_the_pipeline_takes_transformers_4s_tokenizer_options(trained_model_dir)
     best = translator(SENTENCES[0])[0]["translation_text"]
     options = dict(truncation=False, clean_up_tokenization_spaces=False)
     assert translator(SENTENCES[0], **options)[0]["translation_text"] == best
+
+
+def test_the_pipeline_translates_an_empty_list_into_an_empty_list(tokenizer, tmp_path):
+    # As translate([]) does; transformers' pipeline failed on it with an IndexError.
+    from transformers import pipeline
+
+    random_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    translator = pipeline("translation", model=str(tmp_path), trust_remote_code=True)
+    assert translator([]) == [] and translator([], num_return_sequences=2, batch_size=2) == []

@@ -1,12 +1,15 @@
 """The shared BPE vocabulary (§5.1) on the Multi30k training corpus."""
 
+import copy
 import os
 
 import pytest
-from conftest import needs_fork
+from conftest import needs_fork, random_model
 from transformers import AutoTokenizer
 
-from vaswani_transformer.tokenization import SPECIAL_TOKENS, tokenizer_lock, train_tokenizer
+from vaswani_transformer import VaswaniConfig
+from vaswani_transformer.tokenization import SPECIAL_TOKENS, check_tokenizer_matches, tokenizer_lock, train_tokenizer
+from vaswani_transformer.translation import load_translator
 
 
 def test_special_tokens_have_the_ids_the_config_expects(tokenizer):
@@ -64,3 +67,43 @@ def test_a_process_forked_while_a_tokenizer_is_locked_can_lock_it(tokenizer):
             os._exit(0 if tokenizer_lock(tokenizer).acquire(timeout=5) else 1)
         _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_another_models_smaller_tokenizer_beside_the_model_is_refused_by_the_loader(tokenizer, corpus, tmp_path):
+    # The same special tokens at the same ids, 1,000 tokens for a model of 2,000: it passed and translated garbage.
+    sentences = corpus["train"]["en"][:4000] + corpus["train"]["de"][:4000]
+    other = train_tokenizer([sentences], vocab_size=1000)
+    assert len(other) == 1000 and other.all_special_ids == tokenizer.all_special_ids
+    random_model(tokenizer).save_pretrained(tmp_path)
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has 1000 tokens but the model's config.vocab_size is 2000: use the tok"):
+        load_translator(str(tmp_path), "cpu")
+
+
+@pytest.mark.parametrize(
+    "changes, refusal",
+    [
+        ({}, None),
+        (dict(vocab_size=2048), None),  # resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+        (dict(vocab_size=2200), r"has 2000 tokens but the model's config.vocab_size is 2200"),
+        (dict(vocab_size=1999), r"has 2000 tokens but the model has embeddings for config.vocab_size=1999"),
+        (dict(decoder_start_token_id=5), r"decoder_start_token_id=5 but the tokenizer in model-dir has '.+' there"),
+        (dict(eos_token_id=3), r"eos_token_id=2 but the model's config has eos_token_id=3"),
+    ],
+)
+def test_the_tokenizer_must_fit_the_models_vocabulary_and_special_ids(tokenizer, changes, refusal):
+    config = VaswaniConfig(d_model=32, d_ff=64, num_attention_heads=4, **{"vocab_size": 2000, **changes})
+    if refusal is None:
+        check_tokenizer_matches(config, tokenizer, "model-dir")
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            check_tokenizer_matches(config, tokenizer, "model-dir")
+
+
+def test_a_tokenizer_without_the_pad_or_eos_token_the_model_uses_is_refused(tokenizer):
+    config = VaswaniConfig(d_model=32, d_ff=64, num_attention_heads=4, vocab_size=len(tokenizer))
+    for name in ("pad_token", "eos_token"):
+        lacking = copy.deepcopy(tokenizer)
+        setattr(lacking, name, None)
+        with pytest.raises(ValueError, match=f"has no {name} but the model's config has {name}_id="):
+            check_tokenizer_matches(config, lacking)

@@ -14,6 +14,7 @@ on the model: one model serves many threads at once.
 
 import copy
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateOutput
 from transformers.modeling_outputs import BaseModelOutput
 
+from .compat_vaswani import cache_of, default_length_penalty, prepare_generation_config
 from .configuration_vaswani import VaswaniConfig
 
 # The paper's settings (§6.1) ----------------------------------------------------------------------
@@ -85,13 +87,13 @@ def gnmt_length_penalty(length: int, alpha: float) -> float:
 
 
 def check_num_beams(num_beams: int | None) -> int | None:
-    """`num_beams`, the beam size (§6.1: 4), if it is None (the generation config's) or at least 1.
+    """`num_beams`, the beam size (§6.1: 4), if it is None (the generation config's) or an integer of at least 1.
 
     Raises:
-        ValueError: `num_beams` is below 1.
+        ValueError: `num_beams` is below 1 or no integer.
     """
-    if num_beams is not None and num_beams < 1:
-        raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams}.")
+    if num_beams is not None and (_not_a(numbers.Integral, num_beams) or num_beams < 1):
+        raise ValueError(f"num_beams must be at least 1 (1 is greedy search), got {num_beams!r}.")
     return num_beams
 
 
@@ -99,11 +101,49 @@ def check_length_penalty(alpha: float) -> float:
     """`alpha`, the length penalty's strength (§6.1), if it is a finite number.
 
     Raises:
-        ValueError: `alpha` is NaN or infinite (every penalised score would be NaN or 0).
+        ValueError: `alpha` is NaN, infinite (every penalised score would be NaN or 0) or no number (a string).
     """
-    if not math.isfinite(alpha):
-        raise ValueError(f"length_penalty must be a finite number such as 0.6, got {alpha}.")
+    if _not_a(numbers.Real, alpha) or not math.isfinite(alpha):
+        raise ValueError(f"length_penalty must be a finite number such as 0.6, got {alpha!r}.")
     return alpha
+
+
+def check_length_penalty_type(penalty_type: str) -> str:
+    """`penalty_type`, the length penalty's form, if it is "gnmt" (the paper's, §6.1) or "hf" (transformers').
+
+    Raises:
+        ValueError: it is neither.
+    """
+    if penalty_type not in ("gnmt", "hf"):
+        raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
+    return penalty_type
+
+
+def check_generation_config(config: GenerationConfig) -> None:
+    """Refuse a generation config whose decoding values `generate()` would refuse, or fail on.
+
+    What transformers checks itself (`max_new_tokens` above 0, ...) it checks when the config is made; these are
+    the paper's fields (§6.1) and the ones transformers does not check.
+
+    Raises:
+        ValueError: `num_beams` (see `check_num_beams`), `length_penalty` (`check_length_penalty`),
+            `length_penalty_type` (`check_length_penalty_type`), or `max_length_a` or `max_length_b` (numbers of at
+            least 0, or unset) is wrong; the message names the field and the values it takes.
+    """
+    check_num_beams(config.num_beams)
+    if config.length_penalty is not None:
+        check_length_penalty(config.length_penalty)
+    if (penalty_type := getattr(config, "length_penalty_type", None)) is not None:
+        check_length_penalty_type(penalty_type)
+    for name in ("max_length_a", "max_length_b"):
+        value = getattr(config, name, None)
+        if value is not None and (_not_a(numbers.Real, value) or not 0 <= value < math.inf):
+            raise ValueError(f"{name} must be a number of at least 0 (fairseq's max_len_a/b), got {value!r}.")
+
+
+def _not_a(kind: type, value: object) -> bool:
+    # JSON's true and false are ints to Python, and no count or strength.
+    return isinstance(value, bool) or not isinstance(value, kind)
 
 
 class GNMTLengthPenalty(float):
@@ -204,11 +244,18 @@ class VaswaniGenerationMixin(GenerationMixin):
             or a `GenerateOutput` holding them (and scores) with `return_dict_in_generate=True`.
 
         Raises:
-            ValueError: `length_penalty_type` is neither "gnmt" nor "hf", `num_beams` is below 1, or
-                `length_penalty` is not a finite number.
+            ValueError: the source is an empty batch or of length 0, `length_penalty_type` is neither "gnmt" nor
+                "hf", `num_beams` is below 1, or `length_penalty` is not a finite number.
         """
+        source = inputs if inputs is not None else kwargs.get("input_ids")
+        if source is not None and source.numel() == 0:  # transformers fails deep inside on either
+            what = "an empty batch" if source.shape[0] == 0 else "a source of length 0"
+            raise ValueError(
+                f"generate() got {what} (input_ids of shape {tuple(source.shape)}): give at least one sentence, each "
+                "of at least one token (the model's tokenizer ends every sentence with </s>)."
+            )
         # What transformers will decode with: the given config, its unset fields and custom entries from the model's.
-        config = self._prepare_generation_config(generation_config)[0]
+        config = prepare_generation_config(self, generation_config)
         passed = set(kwargs)
         num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
         given = generation_config or GenerationConfig()
@@ -218,11 +265,9 @@ class VaswaniGenerationMixin(GenerationMixin):
             # The caller's max_length, which the model's max_new_tokens would otherwise overrule.
             kwargs["max_new_tokens"] = max_length - prompt_len
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", None)) or "hf"
-        if penalty_type not in ("gnmt", "hf"):
-            raise ValueError(f"length_penalty_type must be 'gnmt' (the paper's) or 'hf', got {penalty_type!r}.")
+        check_length_penalty_type(penalty_type)
         a = kwargs.pop("max_length_a", getattr(config, "max_length_a", None))
         b = kwargs.pop("max_length_b", getattr(config, "max_length_b", None))
-        source = inputs if inputs is not None else kwargs.get("input_ids")
         if a is not None and b is not None and source is not None:
             mask = kwargs.get("attention_mask")
             pad = kwargs.get("pad_token_id", config.pad_token_id)
@@ -238,10 +283,15 @@ class VaswaniGenerationMixin(GenerationMixin):
             _cap_new_tokens(kwargs, config, self.config.max_position_embeddings + 1 - prompt_len)
         if (alpha := kwargs.get("length_penalty", config.length_penalty)) is not None:
             check_length_penalty(alpha)
+        if (num_beams or 1) == 1:
+            # Greedy search and sampling ignore the beam search's flags that the model's config sets; some
+            # releases (5.4) warn about them on every call unless the call gives their neutral values.
+            kwargs.setdefault("early_stopping", False)
+            kwargs.setdefault("length_penalty", 1.0)
         if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
             # The penalty's form travels with this call, in the alpha that its generation config gets.
             if alpha is None:  # unset: transformers' default
-                alpha = GenerationConfig._get_default_generation_params()["length_penalty"]
+                alpha = default_length_penalty()
             kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
         if generation_config is not None:  # what this call added goes into a copy of the given config, where
             generation_config = copy.deepcopy(generation_config)  # transformers asks for it, not beside it
@@ -252,6 +302,34 @@ class VaswaniGenerationMixin(GenerationMixin):
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
+
+    def adjust_generation_fn(
+        self, generation_config: GenerationConfig | None, from_auto_class: bool, from_pipeline: str | None,
+        pretrained_model_name_or_path: str | None, *args, **kwargs,
+    ) -> None:  # fmt: skip
+        """`from_pretrained`'s step that reads the model's `generation_config.json`, which is then checked.
+
+        It failed only in `generate()`, with a TypeError for a value of the wrong type, or a message that did not
+        say which file held the value.
+
+        Raises:
+            ValueError: a value of `generation_config.json` that transformers refuses (`max_new_tokens` 0, ...) or
+                `check_generation_config` does; the message names the file, the field and the values it takes.
+        """
+        reads_the_file = generation_config is None and pretrained_model_name_or_path is not None
+        try:
+            super().adjust_generation_fn(
+                generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+            )
+            if reads_the_file:
+                check_generation_config(self.generation_config)
+        except (ValueError, TypeError) as error:  # TypeError: transformers compares a value of the wrong type
+            if not reads_the_file:
+                raise
+            reason = " ".join(str(error).split())
+            raise ValueError(
+                f"{pretrained_model_name_or_path}/generation_config.json: {reason} Correct the file."
+            ) from None
 
     def _beam_search(
         self,
@@ -313,7 +391,7 @@ def _plain_beam_search(
 ) -> bool:
     # What `beam_search` does exactly as HF's loop does: deterministic search that stops a sentence as
     # `early_stopping` says, ends on </s> or the length limit, returns only sequences.
-    config = generation_config
+    config, cache = generation_config, cache_of(model_kwargs)
     return (
         input_ids.shape[1] == 1 < config.max_length  # the decoder start alone: a prompt needs its keys and values first
         and not config.do_sample
@@ -323,13 +401,13 @@ def _plain_beam_search(
         and config._eos_token_tensor is not None
         and not synced_gpus
         and all(_default_criterion(c, config) for c in stopping_criteria)
-        and isinstance(model_kwargs.get("past_key_values"), EncoderDecoderCache)
+        and isinstance(cache, EncoderDecoderCache)
         # `beam_search` replaces the self-attention cache and fills the cross-attention one: both must be
         # empty, and the first the default dynamic cache (not a static or offloaded one the user asked for).
-        and type(model_kwargs["past_key_values"].self_attention_cache) is DynamicCache
-        and not model_kwargs["past_key_values"].self_attention_cache.offloading
-        and model_kwargs["past_key_values"].self_attention_cache.get_seq_length() == 0
-        and model_kwargs["past_key_values"].cross_attention_cache.get_seq_length() == 0
+        and type(cache.self_attention_cache) is DynamicCache
+        and not cache.self_attention_cache.offloading
+        and cache.self_attention_cache.get_seq_length() == 0
+        and cache.cross_attention_cache.get_seq_length() == 0
         and "encoder_outputs" in model_kwargs
     )
 
@@ -647,8 +725,8 @@ class BeamSearch:
             `early_stopping`, `max_length` (prompt included), `num_return_sequences` and the `</s>` and
             `<pad>` ids.
         **model_kwargs: `encoder_outputs` and `attention_mask` expanded to the beams, and
-            `past_key_values`, an empty `EncoderDecoderCache` whose cross-attention cache is used, as
-            `generate` prepares them.
+            the cache (`cache`, or `past_key_values` before transformers 5.24), an empty
+            `EncoderDecoderCache` whose cross-attention cache is used, as `generate` prepares them.
 
     `run()` returns `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first,
     padded after `</s>` to the longest one returned.
@@ -689,7 +767,7 @@ class BeamSearch:
         self.scores[:, 1:] = -1.0e9
         layers = model.config.decoder_layers
         self_attention = BeamSearchCache(layers, batch, self.num_beams, rows_per_sentence, device)
-        self.cache = EncoderDecoderCache(self_attention, model_kwargs["past_key_values"].cross_attention_cache)
+        self.cache = EncoderDecoderCache(self_attention, cache_of(model_kwargs).cross_attention_cache)
         # `generate` copied the encoder output to every beam; all beams of a sentence attend to the same,
         # so the decoder gets one row per sentence, and its keys and values are computed once.
         self.encoder_states = model_kwargs["encoder_outputs"].last_hidden_state[:: self.num_beams]
@@ -721,7 +799,7 @@ class BeamSearch:
             decoder_input_ids=self.sequences[:, length - 1 : length],
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoder_states),
             attention_mask=attention_mask,
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
         ).logits[:, -1]
         log_probs = logits.float().log_softmax(dim=-1)

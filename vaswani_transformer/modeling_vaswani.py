@@ -10,7 +10,9 @@ projection tied to the embeddings (§3.4) and its label-smoothed loss (§5.4). D
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -29,11 +31,17 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# Decoder inputs for teacher forcing, `<s> y_1 ... y_{n-1}` from labels (§3.1, "shifted right"), -100 read as padding.
-from transformers.models.marian.modeling_marian import shift_tokens_right
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
-
+from .compat_vaswani import (
+    OutputRecorder,
+    cache_field,
+    cache_of,
+    capture_outputs,
+    check_forward_kwargs,
+    make_causal_mask,
+    merge_with_config_defaults,
+    one_cache,
+    shift_tokens_right,
+)
 from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
 from .ops_vaswani import (
@@ -349,7 +357,10 @@ class DecoderLayer(GradientCheckpointingLayer):
 
 
 class VaswaniPreTrainedModel(PreTrainedModel):
-    """Weight initialisation and the switches transformers reads (attention backends, checkpointing)."""
+    """Weight initialisation, the switches transformers reads (attention backends, checkpointing), and loading.
+
+    `from_pretrained` refuses weights that do not fit the model its `config.json` describes (`check_weights_fit`).
+    """
 
     config_class = VaswaniConfig
     config: VaswaniConfig
@@ -360,6 +371,20 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _no_split_modules = ["EncoderLayer", "DecoderLayer"]
+
+    @staticmethod
+    def _finalize_model_loading(model: PreTrainedModel, load_config: Any, loading_info: Any) -> Any:
+        # `from_pretrained` calls this once the file is read. transformers then initialises the weights the file lacks
+        # and drops those it has over, with a warning only (a model that translates garbage), or stops with a report
+        # and a RuntimeError for weights of other sizes: a config.json that does not describe the weights is refused
+        # here first, in one line. The saved code does the same without the package.
+        check_weights_fit(
+            model,
+            loading_info,
+            load_config.pretrained_model_name_or_path,
+            sizes_may_differ=load_config.ignore_mismatched_sizes,
+        )
+        return PreTrainedModel._finalize_model_loading(model, load_config, loading_info)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -425,7 +450,11 @@ class VaswaniEncoder(VaswaniStack):
 
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(batch, source_len, d_model)`.
+
+        Raises:
+            TypeError: a keyword argument this model does not take (`compat_vaswani.check_forward_kwargs`).
         """
+        check_forward_kwargs(kwargs, type(self).__name__, encoder=True)
         hidden_states = self.embeddings(input_ids, attention_mask=attention_mask)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
@@ -457,8 +486,9 @@ class VaswaniDecoder(VaswaniStack):
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """Decode a target batch given the encoder output (§3.1).
@@ -471,16 +501,20 @@ class VaswaniDecoder(VaswaniStack):
             attention_mask: `(batch, past_len + target_len)` decoder padding mask, or None.
             encoder_attention_mask: `(batch, source_len)` source padding mask (`batch / beams` rows with
                 the encoder output), one built by `cross_attention_mask`, or None.
-            past_key_values: the cache of earlier steps; created when `use_cache` and None.
+            cache: the `EncoderDecoderCache` of earlier steps; created when `use_cache` and None.
             use_cache: return a cache for incremental decoding.
+            past_key_values: `cache` under its name before transformers 5.24.
 
         Returns:
             `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state`
-            `(batch, target_len, d_model)` and `past_key_values`.
+            `(batch, target_len, d_model)` and the cache (`cache`, or `past_key_values` before 5.24).
 
         Raises:
             ValueError: the encoder output's rows do not divide the decoder input's.
+            TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
+        check_forward_kwargs(kwargs, type(self).__name__)
+        past_key_values = one_cache(cache, past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -490,12 +524,8 @@ class VaswaniDecoder(VaswaniStack):
             # one also holds empty slots): nothing to mask, which `create_causal_mask` would take a while to find.
             causal_mask = None
         else:
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=hidden_states,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values.self_attention_cache if past_key_values is not None else None,
-            )
+            self_attention_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+            causal_mask = make_causal_mask(self.config, hidden_states, attention_mask, self_attention_cache)
         if hidden_states.shape[0] % encoder_hidden_states.shape[0]:
             raise ValueError(
                 f"The decoder input has {hidden_states.shape[0]} rows and the encoder output "
@@ -516,7 +546,7 @@ class VaswaniDecoder(VaswaniStack):
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, past_key_values=past_key_values
+            last_hidden_state=hidden_states, **cache_field(past_key_values)
         )
 
     def cross_attention_mask(
@@ -593,6 +623,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
         "encoder.embeddings.embed_tokens.weight": "shared.weight",
         "decoder.embeddings.embed_tokens.weight": "shared.weight",
     }
+    # Loaded alone (AutoModel) from a translation model's file, it leaves the head's weights there.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$", r"^final_logits_bias$"]
 
     def __init__(self, config: VaswaniConfig) -> None:
         super().__init__(config)
@@ -616,8 +648,9 @@ class VaswaniModel(VaswaniPreTrainedModel):
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         """Encode the source (unless `encoder_outputs` is given) and decode the target (§3.1).
@@ -629,14 +662,17 @@ class VaswaniModel(VaswaniPreTrainedModel):
             decoder_attention_mask: `(batch, target_len)` target padding mask, or None.
             encoder_outputs: reuse an earlier encoding of the source. With `attention_mask` it may have
                 one row per group of consecutive decoder rows (`batch / beams`, as `beam_search` gives it).
-            past_key_values, use_cache: see `VaswaniDecoder.forward`.
+            cache, use_cache, past_key_values: see `VaswaniDecoder.forward`.
 
         Returns:
             `Seq2SeqModelOutput` with the decoder's `last_hidden_state` `(batch, target_len, d_model)`.
 
         Raises:
             ValueError: the rows of `encoder_outputs` do not divide those of `decoder_input_ids`.
+            TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
+        check_forward_kwargs(kwargs, type(self).__name__)
+        cache = one_cache(cache, past_key_values)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         elif not isinstance(encoder_outputs, BaseModelOutput):
@@ -646,13 +682,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             attention_mask=decoder_attention_mask,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_field(cache_of(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -705,10 +741,11 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """Next-token logits for every target position and, given `labels`, the label-smoothed loss (§3.4, §5.4).
@@ -718,7 +755,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
             attention_mask: `(batch, source_len)` source padding mask (1 = token).
             decoder_input_ids: `(batch, target_len)`; derived from `labels` with `shift_tokens_right` if None.
             decoder_attention_mask: `(batch, target_len)`, or None.
-            encoder_outputs, past_key_values, use_cache: see `VaswaniModel.forward`.
+            encoder_outputs, cache, use_cache, past_key_values: see `VaswaniModel.forward`.
             labels: `(batch, target_len)` target ids ending in `</s>`, -100 on padding.
             num_items_in_batch: target tokens of the whole optimizer step (see
                 `label_smoothed_cross_entropy`); passed by the Trainer under gradient accumulation.
@@ -732,6 +769,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         Raises:
             ValueError: neither `decoder_input_ids` nor `labels` is given, or the rows of
                 `encoder_outputs` do not divide those of the decoder input.
+            TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
         if labels is not None:
             use_cache = False
@@ -745,7 +783,7 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             use_cache=use_cache,
             **kwargs,
         )
@@ -798,3 +836,79 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """For `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, shifted right (§3.1)."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+
+# Loading ------------------------------------------------------------------------------------------
+
+# The config fields that set the length of some weight's axis, and the layer a weight belongs to.
+_SIZE_FIELDS = ("vocab_size", "d_model", "d_ff", "d_k", "d_v", "max_position_embeddings")
+_LAYER = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.")
+
+
+def check_weights_fit(model: PreTrainedModel, loading_info: Any, where: str, sizes_may_differ: bool = False) -> None:
+    """Refuse weights that the model `config.json` describes lacks, or has in other sizes.
+
+    Args:
+        model: the model `from_pretrained` built from `config.json`, the weights read into it.
+        loading_info: transformers' report of that reading (`LoadStateDictInfo`): `missing_keys`,
+            `unexpected_keys`, and `mismatched_keys` as (name, shape in the file, shape in the model).
+        where: the model's directory or Hub id, for the message.
+        sizes_may_differ: `from_pretrained`'s `ignore_mismatched_sizes`: weights of other shapes are initialised
+            anew, as the caller asked, not refused.
+
+    Raises:
+        ValueError: the file lacks a weight of the model (the tied copies of the shared embedding, §3.4, are
+            never stored), holds one the model has not (but those `_keys_to_ignore_on_load_unexpected` names), or
+            one of another shape. The message names the field of config.json and both values where the weights
+            tell them (layers, d_ff, vocab_size, ...), and the first few weights.
+    """
+    # Names of weights stored under another name: those transformers ties once they are read (the output projection,
+    # §3.4) and the parameters of a module that has several names (the embedding the two stacks share).
+    tied, seen = set(getattr(model, "all_tied_weights_keys", None) or {}), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        seen.add(id(parameter))
+    missing = sorted(set(loading_info.missing_keys) - tied)
+    ignored = model._keys_to_ignore_on_load_unexpected or ()
+    unexpected = sorted(name for name in loading_info.unexpected_keys if not any(re.search(p, name) for p in ignored))
+    mismatched = [] if sizes_may_differ else sorted(loading_info.mismatched_keys)
+    if mismatched:
+        problem = _size_that_differs(model.config, mismatched)
+    elif missing or unexpected:
+        kinds = (("missing", missing), ("left over", unexpected))
+        listed = "; ".join(f"{kind}: {_first_few(names)}" for kind, names in kinds if names)
+        problem = f"{_layers_that_differ(model.config, missing, unexpected)} ({listed})"
+    else:
+        return
+    raise ValueError(f"{where}: {problem}; use the config.json saved with these weights.")
+
+
+def _size_that_differs(config: VaswaniConfig, mismatched: list[tuple[str, tuple, tuple]]) -> str:
+    # The first axis whose length in the model is the value of exactly one size field names that field.
+    first = None
+    for name, in_file, in_model in mismatched:
+        shapes = f"{name}: {tuple(in_file)} in the file, {tuple(in_model)} in the model"
+        first = first or shapes
+        for file_length, model_length in zip(in_file, in_model, strict=False):
+            fields = [field for field in _SIZE_FIELDS if getattr(config, field, None) == model_length]
+            if file_length != model_length and len(fields) == 1:
+                said = f"config.json has {fields[0]}={model_length} but the weights have {fields[0]}={file_length}"
+                return f"{said} ({shapes})"
+    return f"the weights do not fit config.json ({first})"
+
+
+def _layers_that_differ(config: VaswaniConfig, missing: list[str], unexpected: list[str]) -> str:
+    # Layers the file lacks from the first on, or has beyond the last: the file's stack has that many.
+    for stack in ("encoder", "decoder"):
+        lacking = {int(m[2]) for name in missing if (m := _LAYER.search(name)) and m[1] == stack}
+        over = {int(m[2]) for name in unexpected if (m := _LAYER.search(name)) and m[1] == stack}
+        if lacking or over:
+            field = f"{stack}_layers"
+            in_file = min(lacking) if lacking else max(over) + 1
+            return f"config.json has {field}={getattr(config, field)} but the weights have {field}={in_file}"
+    return "the weights do not fit config.json"
+
+
+def _first_few(names: list[str], count: int = 3) -> str:
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")

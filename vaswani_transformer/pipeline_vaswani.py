@@ -2,13 +2,16 @@
 
 Saved models list this class under `custom_pipelines` in their `config.json` and carry this
 file, so `pipeline("translation", model=dir_or_repo, trust_remote_code=True)` works with or
-without `vaswani_transformer` installed. It imports nothing but transformers for that reason.
+without `vaswani_transformer` installed. For that reason it imports nothing but transformers and
+`compat_vaswani.py`, which saved models carry too.
 """
 
 from typing import Any
 
 import torch
 from transformers import Pipeline
+
+from .compat_vaswani import pipeline_generate_kwargs
 
 
 class TranslationPipeline(Pipeline):
@@ -29,7 +32,9 @@ class TranslationPipeline(Pipeline):
     _load_tokenizer = True
 
     def __call__(self, text: str | list[str], **generate_kwargs: Any) -> list[dict[str, str]]:
-        """Translate `text`, a string or a list of strings, with `generate_kwargs` for this call only."""
+        """Translate `text`, a string or a list of strings (`[]` gives `[]`), with `generate_kwargs` for this call."""
+        if isinstance(text, list) and not text:  # transformers' batching fails on no inputs
+            return []
         results = super().__call__(text, **generate_kwargs)
         if isinstance(text, list) and all(len(result) == 1 for result in results):
             return [result[0] for result in results]  # one translation per input, not one-element lists
@@ -64,7 +69,7 @@ class TranslationPipeline(Pipeline):
 
     def _forward(self, model_inputs: dict[str, torch.Tensor], **generate_kwargs: Any) -> dict[str, torch.Tensor]:
         blank = model_inputs.pop("blank")
-        output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
+        output_ids = self.model.generate(**model_inputs, **pipeline_generate_kwargs(self, generate_kwargs))
         # One row of hypotheses per input, so that the pipeline's unbatching hands each input its own.
         return {"output_ids": output_ids.reshape(len(blank), -1, output_ids.shape[-1]), "blank": blank}
 

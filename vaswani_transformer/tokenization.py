@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .configuration_vaswani import VaswaniConfig
 
@@ -95,6 +95,70 @@ class _count_batches:
         for batch in self.batches:
             self.count += len(batch)
             yield batch
+
+
+# `resize_token_embeddings(n, pad_to_multiple_of=m)` rounds the vocabulary up to a multiple of m (8 to 128 for
+# tensor cores): rows beyond the tokenizer's that no tokenizer gives.
+_MOST_PADDING = 128
+
+
+def check_tokenizer_matches(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, where: str = "") -> None:
+    """Refuse a tokenizer that is not the model's: its size and special ids must fit the model's config.
+
+    A tokenizer with more tokens than `config.vocab_size` makes the embedding lookup fail on the
+    first id beyond it (on GPUs as a device-side assert); one with fewer (another model's, put
+    beside this one) reads and writes other tokens than the model learned; special ids that disagree
+    with the config make the model pad, start or stop on the wrong token. All of these translate
+    garbage without an error.
+
+    See docs/robustness.md, "Bad input".
+
+    Args:
+        config: the model's configuration (`vocab_size`, `pad_token_id`, `eos_token_id`, `bos_token_id`,
+            `decoder_start_token_id`).
+        tokenizer: the tokenizer to check.
+        where: the model's directory or Hub id, for the message.
+
+    Raises:
+        ValueError: the tokenizer has more tokens than `config.vocab_size`, or fewer (but for a vocabulary
+            rounded up to a multiple of 8 to 128 by `resize_token_embeddings`); it lacks the pad or eos token of
+            the config, or has them, or bos, at other ids (a bos either side leaves unset is not compared); or
+            `decoder_start_token_id` is no special token of the tokenizer.
+    """
+    where = f" in {where}" if where else ""
+    size = len(tokenizer)
+    if size > config.vocab_size:
+        raise ValueError(
+            f"The tokenizer{where} has {size} tokens but the model has embeddings for "
+            f"config.vocab_size={config.vocab_size}: use the tokenizer the model was trained with, or call "
+            "model.resize_token_embeddings(len(tokenizer)) and fine-tune."
+        )
+    if size < config.vocab_size and not (config.vocab_size % 8 == 0 and config.vocab_size - size < _MOST_PADDING):
+        raise ValueError(
+            f"The tokenizer{where} has {size} tokens but the model's config.vocab_size is {config.vocab_size}: use "
+            "the tokenizer the model was trained with (a larger vocabulary is taken only as one rounded up to a "
+            "multiple of 8 to 128, as resize_token_embeddings(..., pad_to_multiple_of=...) gives it)."
+        )
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        tokenizer_id, config_id = getattr(tokenizer, name), getattr(config, name, None)
+        if tokenizer_id is None and config_id is not None and name != "bos_token_id":
+            token = name.removesuffix("_id")
+            raise ValueError(
+                f"The tokenizer{where} has no {token} but the model's config has {name}={config_id}: use the "
+                "tokenizer the model was trained with."
+            )
+        if tokenizer_id is not None and config_id is not None and tokenizer_id != config_id:
+            raise ValueError(
+                f"The tokenizer{where} has {name}={tokenizer_id} but the model's config has {name}={config_id}: "
+                "use the tokenizer the model was trained with, or correct config.json and generation_config.json."
+            )
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is not None and start not in tokenizer.all_special_ids:
+        raise ValueError(
+            f"The model's config has decoder_start_token_id={start} but the tokenizer{where} has "
+            f"{tokenizer.convert_ids_to_tokens(start)!r} there, no special token: use the tokenizer the model was "
+            "trained with, or correct config.json and generation_config.json."
+        )
 
 
 _TOKENIZER_LOCKS: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, threading.Lock]" = weakref.WeakKeyDictionary()
