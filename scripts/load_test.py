@@ -4,7 +4,13 @@ The script starts the server itself, twice, on a free loopback port each time, w
 
 - "micro-batching": the server's batching options (`--batch-wait-ms`, `--max-batch-tokens`,
   `--max-batch-sentences`, the defaults of `serve` unless given here);
-- "one at a time": `--batch-wait-ms 0 --max-batch-sentences 1`, each request its own `generate()`.
+- "one at a time": `--batch-wait-ms 0 --max-batch-sentences 1`, each request its own `generate()`;
+- "big requests" (only when asked for with `--modes`): micro-batching, and one more client that sends
+  one request of `--big-lines` one-character lines (2,500: LibreTranslate's 5,000 characters as
+  lines) every `--big-every` seconds (the next as soon as the last is answered, if that takes
+  longer). It measures fair queueing: the other clients' latency with the big requests against
+  the "micro-batching" run's. The server gets `--sentence-limit` `--big-lines` (in both runs), so
+  that it translates the big requests instead of refusing them; its `--request-timeout` is serve's.
 
 Each time, after a few warm-up requests, `--clients` threads (each with its own keep-alive
 connection) send `--requests` POST /translate requests in all, one Multi30k test sentence each
@@ -16,22 +22,28 @@ Reported per run: throughput (answered sentences per second of wall time, first 
 answer), latency p50/p95/p99 in milliseconds, errors (a status other than 200, a body without a
 string `translatedText`, a connection error or a timeout), the share of CPU time other virtual
 machines took (steal, from /proc/stat); and the gain: micro-batching's throughput over one at a
-time's. The table goes to stdout, the whole report (machine, CPU vector extensions, torch version,
-commit) to `--output` as JSON.
+time's. With big requests: the big client's answers (HTTP status, seconds), apart from the other
+clients' numbers, and the other clients' p99 over the micro-batching run's (`p99_ratio_big_requests`).
+The table goes to stdout, the whole report (machine, CPU vector extensions, torch version, commit)
+to `--output` as JSON.
 
     python scripts/load_test.py --model outputs/multi30k-en-de --clients 32 --requests 1000 --output load.json
+    python scripts/load_test.py --model outputs/multi30k-en-de --modes micro-batching "big requests" --max-p99-ratio 3
 
 `--threads N` is passed to both servers (`serve --threads`): on two cores shared with the clients,
 measure 1 and 2.
 
-Exit status: 0 when both runs answered every request without an error (and, with `--min-gain`, the
-gain reached it), 1 otherwise.
+Exit status: 0 when every run answered every request of its `--clients` without an error (and, with
+`--min-gain` and `--max-p99-ratio`, the gain and the ratio kept to them), 1 otherwise. The big
+client's answers are reported, not counted as errors: past serve's `--request-timeout`, a 503 is its
+right answer.
 """
 
 import argparse
 import http.client
 import itertools
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -50,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "micro-batching": [],  # the batching options of the command line are added
     "one at a time": ["--batch-wait-ms", "0", "--max-batch-sentences", "1"],
+    "big requests": [],  # micro-batching's, and a client of big requests
 }
 
 
@@ -81,13 +94,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="serve's option for the micro-batching run")
     parser.add_argument("--max-batch-sentences", type=int, default=None, help="serve's option, micro-batching run")
     parser.add_argument(
-        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="runs to make (default: both)"
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=["micro-batching", "one at a time"],
+        help="runs to make (default: micro-batching and one at a time)",
+    )
+    parser.add_argument(
+        "--big-lines", type=int, default=2500, help="lines of a big request, the 'big requests' run (default: 2500)"
+    )
+    parser.add_argument(
+        "--big-every", type=float, default=10, help="seconds between big requests, their starts (default: 10)"
     )
     parser.add_argument("--min-gain", type=float, default=None, help="fail unless micro-batching gains this factor")
+    parser.add_argument(
+        "--max-p99-ratio",
+        type=float,
+        default=None,
+        help="fail if the other clients' p99 with big requests is over this many times micro-batching's",
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.requests < 1 or args.max_seconds <= 0:
         parser.error("--clients and --requests must be at least 1, --max-seconds above 0")
+    if args.big_lines < 1 or args.big_every <= 0:
+        parser.error("--big-lines must be at least 1, --big-every above 0 seconds")
     return args
 
 
@@ -139,8 +170,29 @@ def post(connection: http.client.HTTPConnection, body: bytes) -> tuple[int, byte
     return response.status, response.read()
 
 
-def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dict:
-    """`args.requests` requests from `args.clients` threads; every request's latency and outcome."""
+def big_client(server: Server, args: argparse.Namespace, stop: threading.Event, answers: list) -> None:
+    """One big request every `args.big_every` seconds until `stop`; (HTTP status or error, seconds) of each."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    text = "\n".join(letters[i % len(letters)] for i in range(args.big_lines))
+    body = json.dumps({"q": text, "source": args.source_lang, "target": args.target_lang}).encode()
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=args.max_seconds)
+    start = time.perf_counter()
+    for number in itertools.count():
+        if stop.wait(max(0.0, start + number * args.big_every - time.perf_counter())):
+            break
+        sent = time.perf_counter()
+        try:
+            status, _ = post(connection, body)
+            outcome: int | str = status
+        except (OSError, http.client.HTTPException) as failure:
+            outcome = f"{type(failure).__name__}: {failure}"
+            connection.close()
+        answers.append((outcome, round(time.perf_counter() - sent, 2)))
+    connection.close()
+
+
+def drive(server: Server, args: argparse.Namespace, sentences: list[str], big_requests: bool = False) -> dict:
+    """`args.requests` requests from `args.clients` threads (and big requests); each one's latency and outcome."""
     bodies = [json.dumps({"q": s, "source": args.source_lang, "target": args.target_lang}).encode() for s in sentences]
     warm = http.client.HTTPConnection(server.host, server.port, timeout=300)
     for body in bodies[: args.warmup]:
@@ -180,12 +232,19 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dic
 
     steal_before = cpu_times()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    stop_big, big_answers = threading.Event(), []
+    big = threading.Thread(target=big_client, args=(server, args, stop_big, big_answers), daemon=True)
+    if big_requests:  # started before the others, so that the first big request meets them all
+        big.start()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(args.max_seconds + 300)
     wall = time.perf_counter() - start
     steal_after = cpu_times()
+    stop_big.set()
+    if big_requests:
+        big.join(args.max_seconds)  # the request in flight: answered, or refused at serve's --request-timeout
 
     ok = [seconds for _, seconds, error, _ in results if error is None]
     errors = [error for _, _, error, _ in results if error is not None]
@@ -193,7 +252,7 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dic
     steal = None
     if steal_before and steal_after and steal_after[1] > steal_before[1]:
         steal = (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
-    return {
+    run = {
         "requests": args.requests,
         "answered": len(ok),
         "errors": len(errors),
@@ -210,6 +269,9 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str]) -> dic
         "cpu_steal": None if steal is None else round(steal, 4),
         "translations": {number: translation for number, _, error, translation in results if error is None},
     }
+    if big_requests:
+        run["big_requests"] = {"lines": args.big_lines, "every_s": args.big_every, "answers": big_answers}
+    return run
 
 
 def machine(engine: str) -> dict:
@@ -229,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("batch_wait_ms", "max_batch_tokens", "max_batch_sentences"):
         if getattr(args, flag) is not None:
             batching += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if "big requests" in args.modes:  # the same server for the run with big requests and the one without
+        batching += ["--sentence-limit", str(args.big_lines)]
     report: dict = {
         "model": args.model,
         "engine": args.engine,
@@ -246,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(args, options, Path(workdir) / f"server-{len(report['runs'])}.log")
             print(f"{mode}: {args.clients} clients, {args.requests} requests ({' '.join(options) or 'defaults'})")
             try:
-                run = drive(server, args, sentences)
+                run = drive(server, args, sentences, big_requests=mode == "big requests")
             finally:
                 run_status = server.stop()
             run["server_options"] = options
@@ -256,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"][mode] = run
 
     runs = report["runs"]
-    if len(runs) == 2:
+    if "micro-batching" in runs and "big requests" in runs:
+        without = runs["micro-batching"]["latency_ms"]["p99"]
+        report["p99_ratio_big_requests"] = round(runs["big requests"]["latency_ms"]["p99"] / without, 2)
+    if "micro-batching" in runs and "one at a time" in runs:
         batched, alone = runs["micro-batching"], runs["one at a time"]
         if alone["sentences_per_second"] > 0:
             report["gain"] = round(batched["sentences_per_second"] / alone["sentences_per_second"], 2)
@@ -279,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {mode} error: {error}")
     if "gain" in report:
         print(f"gain of micro-batching: {report['gain']:.2f}x")
+    if "big requests" in runs:
+        answers = runs["big requests"]["big_requests"]["answers"]
+        print(f"big requests ({args.big_lines} lines every {args.big_every:g} s): (status, seconds) {answers}")
+    if "p99_ratio_big_requests" in report:
+        print(f"the other clients' p99 with big requests: {report['p99_ratio_big_requests']:.2f}x without")
     cpu = report["machine"]
     print(
         f"machine: {cpu['cpu']} ({cpu['cores']} cores; {' '.join(cpu['cpu_vector_extensions'])}), torch {cpu['torch']}"
@@ -290,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = any(run["errors"] or run["not_sent"] or run["server_exit_status"] for run in runs.values())
     if args.min_gain is not None and report.get("gain", 0) < args.min_gain:
+        failed = True
+    if args.max_p99_ratio is not None and report.get("p99_ratio_big_requests", math.inf) > args.max_p99_ratio:
         failed = True
     return 1 if failed else 0
 

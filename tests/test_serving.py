@@ -7,9 +7,11 @@ small model trained on Multi30k (`trained_model_dir`); its translations are comp
 
 import http.client
 import json
+import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ pytest.importorskip("uvicorn")
 
 from vaswani_transformer.cli import main  # noqa: E402
 from vaswani_transformer.serving import MicroBatcher, model_languages  # noqa: E402
+from vaswani_transformer.serving_config import ServingConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Screenshots of the page, kept for a person to look at (outputs/ is not committed).
@@ -173,8 +176,21 @@ def _too_long_sentence(trained_model_dir: Path) -> str:
     return sentence
 
 
+def _multipart_parts(fields: list[tuple[str, str | bytes]], boundary: str = "vaswani-boundary") -> list[bytes]:
+    """The parts of a multipart/form-data body, one a field (its value as given: bytes are sent as they are)."""
+    parts = []
+    for name, value in fields:
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        parts.append(head + (value if isinstance(value, bytes) else value.encode()) + b"\r\n")
+    return parts + [f"--{boundary}--\r\n".encode()]
+
+
 GOOD = {"q": "A dog runs.", "source": "en", "target": "de"}
 JSON, FORM = "application/json", "application/x-www-form-urlencoded"
+MULTIPART = "multipart/form-data; boundary=vaswani-boundary"
+# Latin-1 bytes where UTF-8 is due: 0xff is never UTF-8, 0xe9 ("é" in Latin-1) starts a sequence that does not go on.
+MULTIPART_BAD_Q = b"".join(_multipart_parts([("q", b"A \xff man."), ("source", "en"), ("target", "de")]))
+MULTIPART_BAD_SOURCE = b"".join(_multipart_parts([("q", "A man."), ("source", b"\xe9n"), ("target", "de")]))
 BAD_REQUESTS = [
     # (what, body, content type, status, words the message must hold)
     ("missing q", {"source": "en", "target": "de"}, JSON, 400, ["q"]),
@@ -201,7 +217,9 @@ BAD_REQUESTS = [
     ("not UTF-8", b'{"q": "\xff\xfe\xfa"}', JSON, 400, ["malformed JSON"]),
     ("half a UTF-16 pair", b'{"q": ["A dog.", "\\ud800"], "source": "en", "target": "de"}', JSON, 400, ["q[1]"]),
     ("form without q", b"source=en&target=de", FORM, 400, ["q"]),
-    ("form q not UTF-8", b"q=A+%FF+man&source=en&target=de", FORM, 400, ["malformed form"]),
+    ("form q not UTF-8", b"q=A+%FF+man&source=en&target=de", FORM, 400, ["q", "not UTF-8", "0xff"]),
+    ("multipart q not UTF-8", MULTIPART_BAD_Q, MULTIPART, 400, ["q", "not UTF-8", "0xff"]),
+    ("multipart source not UTF-8", MULTIPART_BAD_SOURCE, MULTIPART, 400, ["source", "not UTF-8", "0xe9"]),
     ("body too large", b"x" * 200_000, JSON, 413, ["body", "bytes"]),
 ]
 
@@ -219,18 +237,40 @@ def test_bad_input_is_answered_4xx_with_a_message_naming_the_field_and_the_serve
     assert call(f"{server.url}/health")[0] == 200
 
 
+def test_invalid_utf8_in_the_query_string_is_refused_naming_the_field(server):
+    # LibreTranslate reads the query's fields too; percent-encoding can spell any byte.
+    for query, field in (("q=A+%FF+man&source=en&target=de", "q"), ("q=A+man&source=en&target=d%E9", "target")):
+        status, answer = call(f"{server.url}/translate?{query}", b"", FORM)
+        assert status == 400 and f"{field} in the query string is not UTF-8" in answer["error"], answer
+    assert call(f"{server.url}/translate?q=A+%C3%BC+man&source=en&target=de", b"", FORM)[0] == 200  # "ü" is UTF-8
+
+
+def test_health_names_the_model_not_its_path_head_answers_as_get_and_openapi_is_off_with_the_docs(
+    server, trained_model_dir
+):
+    status, health = call(f"{server.url}/health")
+    assert status == 200 and health["model"] == trained_model_dir.name
+    assert str(trained_model_dir.parent) not in json.dumps(health)  # no absolute path shown to any origin
+    parts = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        for path in ("/", "/health", "/languages"):
+            connection.request("HEAD", path)
+            response = connection.getresponse()
+            assert (response.status, response.read()) == (200, b""), path
+    finally:
+        connection.close()
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert call(f"{server.url}{path}") == (404, {"error": "Not Found"}), path
+
+
 def _chunked_multipart(url: str, fields: list[tuple[str, str]]) -> tuple[int, object]:
     """POST `fields` as multipart/form-data with no Content-Length (Transfer-Encoding: chunked), one chunk a field."""
-    boundary = "vaswani-boundary"
-    chunks = [
-        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
-        for name, value in fields
-    ] + [f"--{boundary}--\r\n".encode()]
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     try:
-        content_type = f"multipart/form-data; boundary={boundary}"
-        connection.request("POST", parts.path, iter(chunks), {"Content-Type": content_type}, encode_chunked=True)
+        chunks = iter(_multipart_parts(fields))
+        connection.request("POST", parts.path, chunks, {"Content-Type": MULTIPART}, encode_chunked=True)
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -257,6 +297,70 @@ def test_a_sentence_over_the_models_length_limit_is_refused(server, trained_mode
 def test_unknown_paths_and_methods_answer_json_errors(server):
     assert call(f"{server.url}/no-such-page") == (404, {"error": "Not Found"})
     assert call(f"{server.url}/translate", method="GET") == (405, {"error": "Method Not Allowed"})
+
+
+def test_a_big_request_takes_turns_with_a_small_one_behind_it_and_too_many_sentences_are_refused(
+    trained_model_dir, tmp_path, sentences, references
+):
+    # 72 lines in 9 batches of 8: a one-sentence request sent while they are translated joins the next batch.
+    server = Server(trained_model_dir, tmp_path / "server.log", "--max-batch-sentences", "8", "--sentence-limit", "100")
+    lines = sentences * 3
+    finished: list[str] = []
+
+    def send(name: str, q: str) -> tuple[int, object]:
+        answer = call(f"{server.url}/translate", {"q": q, "source": "en", "target": "de"})
+        finished.append(name)
+        return answer
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            big = pool.submit(send, "big", "\n".join(lines))
+            deadline = time.monotonic() + 120
+            while call(f"{server.url}/health")[1]["sentences_in_flight"] < len(lines):
+                assert time.monotonic() < deadline and not big.done(), "the big request never was in the server"
+                time.sleep(0.01)
+            small = pool.submit(send, "small", sentences[0])
+            assert small.result(120) == (200, {"translatedText": references[sentences[0]]})
+            # Its sentences spread over batches, the big request is still answered in order, as generate() does.
+            assert big.result(120) == (200, {"translatedText": "\n".join(references[s] for s in lines)})
+        assert finished == ["small", "big"]
+        # Blank lines are not sentences: 100 sentences and 50 blank lines are within the limit, 101 are not.
+        assert call(f"{server.url}/translate", {**GOOD, "q": "\n\n".join(["A dog."] * 100)})[0] == 200
+        status, answer = call(f"{server.url}/translate", {**GOOD, "q": ["A dog.\n\nA cat."] * 50 + ["A bird."]})
+        assert status == 400 and "101 sentences" in answer["error"] and "limit of 100" in answer["error"], answer
+        assert "--sentence-limit" in answer["error"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_request_past_its_deadline_or_whose_client_left_mid_body_is_dropped_without_a_traceback(
+    trained_model_dir, tmp_path, sentences
+):
+    # One sentence a batch and a deadline of 1 ms: a request of two sentences is past it after its first batch.
+    log_path = tmp_path / "server.log"
+    server = Server(trained_model_dir, log_path, "--max-batch-sentences", "1", "--request-timeout", "0.001")
+    try:
+        request = urllib.request.Request(
+            f"{server.url}/translate", json.dumps({**GOOD, "q": sentences[:2]}).encode(), {"Content-Type": JSON}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=120)
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+        answer = json.loads(refused.value.read())
+        assert "--request-timeout" in answer["error"] and "0.001" in answer["error"], answer
+        # A client that promises 1,000 bytes, sends 10 and leaves.
+        parts = urllib.parse.urlsplit(server.url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=30) as client:
+            client.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"q": "A d'
+            )
+        status, health = call(f"{server.url}/health")
+        assert status == 200 and health["sentences_in_flight"] == 0
+    finally:
+        assert server.stop() == 0  # answers what it holds, the dropped request included, then exits
+    log = log_path.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
 def test_sigterm_with_requests_in_flight_loses_none_of_them(trained_model_dir, tmp_path, sentences, references):
@@ -333,8 +437,6 @@ def test_serve_fails_in_one_line_without_languages_or_on_a_busy_port(trained_mod
     assert main(["serve", str(bare)]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--source-lang" in error
-    import socket
-
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -394,10 +496,10 @@ class _Blocking:
         return [s.upper() for s in sentences]
 
 
-def _submit_while_busy(batcher: MicroBatcher, engine: _Blocking, requests: list[list[str]]) -> list:
-    first = batcher.submit(["first"], 1)
+def _submit_while_busy(batcher: MicroBatcher, engine: _Blocking, requests: list[list[str]], **options) -> list:
+    first = batcher.submit(["first"], [1])
     assert engine.started.wait(30)  # the worker is inside its first call: the others queue up behind it
-    futures = [first] + [batcher.submit(request, len(request)) for request in requests]
+    futures = [first] + [batcher.submit(request, [1] * len(request), **options) for request in requests]
     engine.release.set()
     return futures
 
@@ -408,35 +510,76 @@ def test_micro_batcher_translates_waiting_requests_together_and_answers_each_its
     requests = [["a", "b"], ["c"], ["d", "e", "f"]]
     futures = _submit_while_busy(batcher, engine, requests)
     assert [future.result(30) for future in futures] == [["FIRST"], ["A", "B"], ["C"], ["D", "E", "F"]]
-    assert engine.batches == [["first"], ["a", "b", "c", "d", "e", "f"]]
+    assert engine.batches == [["first"], ["a", "c", "d", "b", "e", "f"]]  # a sentence of each request in turn
     batcher.close()
 
 
-def test_micro_batcher_budgets_never_split_a_request_and_one_at_a_time_means_one_request_per_call():
+def test_micro_batcher_requests_take_turns_so_a_small_one_behind_a_big_one_is_answered_first():
     engine = _Blocking()
     batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, max_batch_sentences=3)
-    futures = _submit_while_busy(batcher, engine, [["a", "b"], ["c"], ["d", "e"], ["f", "g", "h", "i"]])
-    assert [future.result(30) for future in futures][-1] == ["F", "G", "H", "I"]
-    assert engine.batches == [["first"], ["a", "b", "c"], ["d", "e"], ["f", "g", "h", "i"]]
+    big, small = [f"b{i}" for i in range(9)], ["s"]
+    futures = _submit_while_busy(batcher, engine, [big, small])
+    answered: list[str] = []
+    futures[1].add_done_callback(lambda _: answered.append("big"))
+    futures[2].add_done_callback(lambda _: answered.append("small"))
     batcher.close()
+    assert answered == ["small", "big"]
+    assert engine.batches == [["first"], ["b0", "s", "b1"], ["b2", "b3", "b4"], ["b5", "b6", "b7"], ["b8"]]
+    assert futures[1].result() == [sentence.upper() for sentence in big] and futures[2].result() == ["S"]
 
+
+def test_micro_batcher_budgets_hold_and_one_at_a_time_means_one_sentence_per_call():
     engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=2, max_batch_sentences=100)  # tokens
-    _submit_while_busy(batcher, engine, [["a"], ["b"], ["c", "d"]])
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=5, max_batch_sentences=100)
+    first = batcher.submit(["first"], [1])
+    assert engine.started.wait(30)
+    futures = [batcher.submit(["a", "b"], [3, 1]), batcher.submit(["c", "d"], [2, 9])]
+    engine.release.set()
     batcher.close()
-    assert engine.batches == [["first"], ["a", "b"], ["c", "d"]]
+    # Tokens: a (3) and c (2) fill the budget of 5; d alone is over it, a batch of its own.
+    assert engine.batches == [["first"], ["a", "c"], ["b"], ["d"]]
+    assert [future.result() for future in [first, *futures]] == [["FIRST"], ["A", "B"], ["C", "D"]]
 
     engine = _Blocking()
     batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_sentences=1)
-    _submit_while_busy(batcher, engine, [["a"], ["b"]])
+    _submit_while_busy(batcher, engine, [["a", "b"], ["c"]])
     batcher.close()
-    assert engine.batches == [["first"], ["a"], ["b"]]
+    assert engine.batches == [["first"], ["a"], ["c"], ["b"]]
+
+
+def test_micro_batcher_refuses_a_request_past_its_deadline_and_translates_no_more_of_it():
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0)
+    first = batcher.submit(["first"], [1])
+    assert engine.started.wait(30)
+    late = batcher.submit(["a", "b"], [1, 1], timeout=0.001)
+    timely = batcher.submit(["c"], [1], timeout=600)
+    time.sleep(0.01)  # not a measurement: the 1 ms deadline must have passed before the worker is free
+    engine.release.set()
+    batcher.close()
+    with pytest.raises(TimeoutError, match="0.001 s"):
+        late.result()
+    assert first.result() == ["FIRST"] and timely.result() == ["C"]
+    assert engine.batches == [["first"], ["c"]]
+    assert batcher.sentences_in_flight == 0
+    with pytest.raises(ValueError, match="timeout"):
+        batcher.submit(["d"], [1], timeout=0)
+
+
+BOUNDLESS = [{"sentence_limit": 0}, *({"request_timeout": t} for t in (0, -1, math.inf, math.nan))]
+
+
+@pytest.mark.parametrize("setting", BOUNDLESS)
+def test_serving_config_refuses_a_sentence_limit_or_request_timeout_that_bounds_nothing(setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be"):
+        ServingConfig(**setting)
 
 
 def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_queue():
     engine = _Blocking(fail_on="bad")
     batcher = MicroBatcher(engine, batch_wait_ms=0)
-    futures = _submit_while_busy(batcher, engine, [["a"], ["bad"], ["c"]])
+    futures = _submit_while_busy(batcher, engine, [["a"], ["bad", "b"], ["c"]])
     batcher.close()  # returns once everything queued before it is answered
     assert all(future.done() for future in futures)
     assert futures[1].result() == ["A"] and futures[3].result() == ["C"]
@@ -444,4 +587,4 @@ def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_
         futures[2].result()
     assert batcher.sentences_in_flight == 0
     with pytest.raises(RuntimeError, match="shutting down"):
-        batcher.submit(["late"], 1)
+        batcher.submit(["late"], [1])

@@ -6,12 +6,14 @@
   (https://docs.libretranslate.com/guides/api_usage/), so its clients work unchanged; `GET /health`
   says the server is up; `GET /` is a page to type a sentence and see its translation.
 - One worker thread owns the model. Request handlers put their sentences on a queue and await;
-  the worker takes the oldest request, keeps collecting for `batch_wait_ms` or until a sentence or
-  token budget is full, translates the union with one `generate()` (beam search of §6.1, through
-  `translation.translate`) or one CTranslate2 batch, and answers each request with its own
-  sentences, in order (`MicroBatcher`).
+  the worker fills each batch with one sentence of each waiting request in turn (fair queueing:
+  a big request shares every batch with those behind it) up to a sentence or token budget,
+  collecting new requests for `batch_wait_ms` while the batch is not full, translates it with one
+  `generate()` (beam search of §6.1, through `translation.translate`) or one CTranslate2 batch,
+  and answers each request with its own sentences, in order, once all are translated (`MicroBatcher`).
 - Bad input gets HTTP 400 (413 for a body too large to read) and `{"error": "<message naming
-  the field>"}`, LibreTranslate's error shape; the server keeps serving.
+  the field>"}`, LibreTranslate's error shape; a request not translated within its deadline gets
+  503 with `Retry-After`; the server keeps serving.
 - SIGTERM (or Ctrl+C) stops accepting connections, answers every request already received, then
   exits with status 0.
 """
@@ -22,19 +24,21 @@ import copy
 import errno
 import json
 import logging
+import math
 import queue
 import re
 import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl
 
 try:
     import uvicorn
@@ -42,6 +46,8 @@ try:
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse
     from starlette.exceptions import HTTPException
+    from starlette.formparsers import MultiPartException, MultiPartParser
+    from starlette.requests import ClientDisconnect
 except ImportError as error:
     raise ImportError(
         "`vaswani-transformer serve` needs FastAPI and uvicorn: pip install 'vaswani-transformer[serve]'."
@@ -169,28 +175,41 @@ class TorchEngine:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: one request is one job
 class _Job:
+    """One request in the batcher: its sentences, their source tokens, and how far its translation has got."""
+
     sentences: list[str]
-    tokens: int
+    lengths: list[int]
     future: Future
+    timeout: float | None
+    deadline: float  # time.monotonic() past which its sentences not yet in a batch are dropped
+    translations: list[str | None]
+    taken: int = 0  # sentences put in a batch so far, in order
+    answered: int = 0
 
 
 _STOP = object()
 
 
 class MicroBatcher:
-    """Translates the sentences of requests that arrive together in one batch, on one worker thread.
+    """Translates the sentences of many requests in shared batches, on one worker thread; requests take turns.
 
-    The worker takes the oldest waiting request, then keeps taking requests for up to
-    `batch_wait_ms` milliseconds, or until the next one would bring the batch over
-    `max_batch_sentences` sentences or `max_batch_tokens` source tokens (a request is never
-    split: one bigger than a budget is a batch of its own). It translates the union with one call
-    of `translate_fn` and answers each request with its own sentences, in order. If that call
-    fails, each request of the batch is translated alone, so that one bad request fails alone.
+    Requests wait in turn, oldest first. For each batch the worker takes one sentence of each
+    request in turn, again and again, until the batch holds `max_batch_sentences` sentences or
+    the next sentence would bring it over `max_batch_tokens` source tokens (a sentence over the
+    budget is a batch of its own); a request with sentences left goes back to the end of the
+    turns. A request of 2,500 sentences thus shares every batch with the requests that come after
+    it, instead of holding the model until it is done (fair queueing: round-robin over requests).
+    While the waiting sentences do not fill a batch, the worker first collects new requests for
+    up to `batch_wait_ms` milliseconds. It translates a batch with one call of `translate_fn` and
+    answers a request once all its sentences are translated, in order. If that call fails, each
+    request of the batch is translated alone, so that one bad request fails alone. A request
+    still waiting after its `timeout` fails with `TimeoutError`; none of its remaining sentences
+    is translated.
 
-    A request's data travels in its own job on the queue; the batcher holds no other state of a
-    request. One request at a time (no micro-batching): `batch_wait_ms=0, max_batch_sentences=1`.
+    A request's data travels in its own job; the batcher holds no other state of a request. One
+    sentence at a time (no micro-batching): `batch_wait_ms=0, max_batch_sentences=1`.
 
     See docs/serving.md, "Micro-batching".
 
@@ -224,6 +243,7 @@ class MicroBatcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sentences = max_batch_sentences
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._turns: deque[_Job] = deque()  # requests with sentences not yet in a batch; the worker's alone
         self._lock = threading.Lock()  # orders `submit` against `close`, and guards the count
         self._closed = False
         self._in_flight = 0
@@ -232,26 +252,39 @@ class MicroBatcher:
 
     @property
     def sentences_in_flight(self) -> int:
-        """Sentences submitted and not yet answered.
+        """Sentences submitted and not yet answered (nor dropped).
 
         See docs/serving.md, "The API".
         """
         return self._in_flight
 
-    def submit(self, sentences: list[str], tokens: int) -> Future:
-        """Queue one request's sentences (`tokens`: their source tokens); the future gives their translations.
+    def submit(self, sentences: list[str], lengths: list[int], timeout: float | None = None) -> Future:
+        """Queue one request's sentences; the future gives their translations, in order.
 
         See docs/serving.md, "Micro-batching".
 
+        Args:
+            sentences: the request's sentences.
+            lengths: the source tokens of each sentence (for `max_batch_tokens`).
+            timeout: seconds from now after which the sentences not yet in a batch are dropped and
+                the future fails with `TimeoutError`; None for no limit.
+
         Raises:
+            ValueError: `lengths` does not match `sentences`, or a timeout that is not above 0.
             RuntimeError: the batcher is closed.
         """
+        if len(lengths) != len(sentences):
+            raise ValueError(f"give one length per sentence: {len(lengths)} lengths for {len(sentences)} sentences.")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be above 0 seconds (or None for none), got {timeout}.")
         future: Future = Future()
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        job = _Job(list(sentences), list(lengths), future, timeout, deadline, [None] * len(sentences))
         with self._lock:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
             self._in_flight += len(sentences)
-            self._queue.put(_Job(list(sentences), tokens, future))
+            self._queue.put(job)
         return future
 
     def close(self, timeout: float | None = None) -> None:
@@ -265,88 +298,134 @@ class MicroBatcher:
                 self._queue.put(_STOP)
         self._worker.join(timeout)
 
-    def _take(self, job) -> bool:
+    def _settle(self, sentences: int) -> None:
+        with self._lock:
+            self._in_flight -= sentences
+
+    def _admit(self, job: _Job) -> None:
         # A request whose handler was cancelled (its client gone at a forced shutdown) needs no work.
-        if job is _STOP or job.future.set_running_or_notify_cancel():
-            return True
-        self._done(job)
+        if not job.future.set_running_or_notify_cancel():
+            self._settle(len(job.sentences))
+        elif not job.sentences:
+            job.future.set_result([])
+        else:
+            self._turns.append(job)
+
+    def _fail(self, job: _Job, error: Exception) -> None:
+        if job in self._turns:
+            self._turns.remove(job)
+        self._settle(len(job.sentences) - job.answered)
+        job.future.set_exception(error)
+
+    def _full(self) -> bool:
+        # Whether the sentences waiting fill a batch; stops counting once they do.
+        sentences = tokens = 0
+        for job in self._turns:
+            sentences += len(job.sentences) - job.taken
+            tokens += sum(job.lengths[job.taken : job.taken + self.max_batch_sentences])
+            if sentences >= self.max_batch_sentences or tokens >= self.max_batch_tokens:
+                return True
         return False
 
-    def _done(self, job: _Job) -> None:
-        with self._lock:
-            self._in_flight -= len(job.sentences)
+    def _collect(self) -> bool:
+        # Take every request waiting, and more for up to batch_wait_ms while they do not fill a batch.
+        # True once the queue's end (`close`) was taken.
+        until = time.monotonic() + self.batch_wait_ms / 1000
+        while True:
+            wait = 0.0 if self._full() else max(0.0, until - time.monotonic())
+            try:
+                job = self._queue.get(timeout=wait)
+            except queue.Empty:
+                return False
+            if job is _STOP:
+                return True
+            self._admit(job)
+
+    def _next_batch(self) -> list[tuple[_Job, int]]:
+        # (request, index of its sentence): one sentence of each request in turn, up to the budgets.
+        now = time.monotonic()
+        for job in [job for job in self._turns if job.deadline < now]:
+            done = f"{job.answered} of its {len(job.sentences)} sentences were"
+            self._fail(job, TimeoutError(f"the request was not translated within {job.timeout:g} s ({done})"))
+        batch: list[tuple[_Job, int]] = []
+        tokens = 0
+        while self._turns and len(batch) < self.max_batch_sentences:
+            job = self._turns[0]
+            length = job.lengths[job.taken]
+            if batch and tokens + length > self.max_batch_tokens:
+                break
+            self._turns.popleft()
+            batch.append((job, job.taken))
+            job.taken, tokens = job.taken + 1, tokens + length
+            if job.taken < len(job.sentences):
+                self._turns.append(job)
+        return batch
 
     def _run(self) -> None:
-        carried = None
+        stopping = False
         while True:
-            first = carried if carried is not None else self._queue.get()
-            carried = None
-            if first is _STOP:
-                return
-            if not self._take(first):
-                continue
-            batch, sentences, tokens = [first], len(first.sentences), first.tokens
-            deadline = time.monotonic() + self.batch_wait_ms / 1000
-            while sentences < self.max_batch_sentences and tokens < self.max_batch_tokens:
-                try:
-                    job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if (
-                    job is _STOP
-                    or sentences + len(job.sentences) > self.max_batch_sentences
-                    or tokens + job.tokens > self.max_batch_tokens
-                ):
-                    carried = job  # the first of the next batch (or the end, after this batch)
-                    break
-                if self._take(job):
-                    batch.append(job)
-                    sentences, tokens = sentences + len(job.sentences), tokens + job.tokens
-            self._translate(batch)
+            if not self._turns:
+                if stopping:
+                    return
+                job = self._queue.get()
+                if job is _STOP:
+                    return
+                self._admit(job)
+            if not stopping:
+                stopping = self._collect()
+            if batch := self._next_batch():
+                self._translate(batch)
 
-    def _translate(self, batch: list[_Job]) -> None:
+    def _translate(self, batch: list[tuple[_Job, int]]) -> None:
+        jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
-            translations = self.translate_fn([sentence for job in batch for sentence in job.sentences])
+            translations = self.translate_fn([job.sentences[i] for job, i in batch])
         except Exception as error:
-            if len(batch) > 1:
-                for job in batch:
-                    self._translate([job])
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._translate([(each, i) for each, i in batch if each is job])
                 return
             logger.exception("Translating a request failed")
-            self._done(batch[0])
-            batch[0].future.set_exception(error)
+            self._fail(jobs[0], error)
             return
-        start = 0
-        for job in batch:
-            self._done(job)
-            job.future.set_result(translations[start : start + len(job.sentences)])
-            start += len(job.sentences)
+        for (job, i), translation in zip(batch, translations, strict=True):
+            job.translations[i] = translation
+            job.answered += 1
+        self._settle(len(batch))
+        for job in jobs:
+            if job.answered == len(job.sentences):
+                job.future.set_result(job.translations)
 
 
 class RequestError(ValueError):
-    """A request the server refuses: HTTP `status` (400, or 413) with the body `{"error": message}`.
+    """A request the server refuses: HTTP `status` (400; 413, 503) with the body `{"error": message}` and `headers`.
 
     See docs/serving.md, "Bad input".
     """
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one `POST /translate` may ask for (LibreTranslate's `--char-limit` and `--batch-limit`).
+    """What one `POST /translate` may ask for (LibreTranslate's `--char-limit` and `--batch-limit`, and ours).
 
     Attributes:
         char_limit: characters of `q`, all texts together.
         batch_limit: texts in a list `q`.
+        sentence_limit: sentences of `q`, all texts together: lines with text, or HTML text nodes.
+        request_timeout: seconds a request's sentences may wait and be translated (`MicroBatcher.submit`).
         source_limit: tokens (with `</s>`) of one source sentence, the model's limit; None for none.
         long_inputs: "error" refuses a sentence over `source_limit`, "truncate" cuts it there.
     """
 
     char_limit: int
     batch_limit: int
+    sentence_limit: int
+    request_timeout: float
     source_limit: int | None
     long_inputs: str
 
@@ -444,31 +523,39 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
 
 
 async def _request_fields(request: Request, max_bytes: int) -> dict:
-    """The fields of a JSON, form-encoded or multipart body (LibreTranslate takes all three), over the query's."""
-    fields: dict = {key: values if len(values) > 1 else values[0] for key, values in _multi(request.query_params)}
+    """The fields of a JSON, form-encoded or multipart body (LibreTranslate takes all three), over the query's.
+
+    Raises:
+        RequestError: a body over `max_bytes` (413); a malformed body, a field of the query string or
+            of a form that is not UTF-8 (named), or a client gone before the body ended (400).
+    """
+    fields = _urlencoded_fields(request.scope["query_string"], "query string")
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise RequestError(f"Invalid request: the body has {declared} bytes, more than {max_bytes}", 413)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise RequestError(f"Invalid request: the body has more than {max_bytes} bytes", 413)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise RequestError(f"Invalid request: the body has more than {max_bytes} bytes", 413)
+    except ClientDisconnect:
+        # Nobody reads the answer; any other exception Starlette re-raises, and uvicorn logs its traceback.
+        raise RequestError("Invalid request: the client left before the body ended") from None
     if kind == "multipart/form-data":
         # Parsed from the bytes read under the cap: a chunked body declares no length, and Starlette's parser
         # caps each part, not their sum.
-        async def receive() -> dict:
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+        async def stream() -> AsyncIterator[bytes]:
+            yield bytes(body)
 
-        form = await Request(request.scope, receive).form(max_files=0, max_part_size=max_bytes)
-        return fields | {key: values if len(values) > 1 else values[0] for key, values in _multi(form)}
-    if kind == "application/x-www-form-urlencoded":
         try:
-            form = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=10_000, errors="strict")
-        except ValueError as error:  # not UTF-8 (raw or percent-encoded), or too many fields
-            raise RequestError(f"Invalid request: malformed form body ({error})") from None
-        return fields | {key: values if len(values) > 1 else values[0] for key, values in form.items()}
+            form = await _MultiPartParser(request.headers, stream(), max_files=0, max_part_size=max_bytes).parse()
+        except MultiPartException as error:
+            raise RequestError(f"Invalid request: malformed multipart body ({error.message})") from None
+        return fields | _utf8_fields(form.multi_items(), "multipart body")
+    if kind == "application/x-www-form-urlencoded":
+        return fields | _urlencoded_fields(bytes(body), "form body")
     if not body.strip():
         return fields
     try:
@@ -484,11 +571,44 @@ async def _request_fields(request: Request, max_bytes: int) -> dict:
     return fields | parsed
 
 
-def _multi(items) -> list[tuple[str, list]]:
+class _MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, which decodes a field's bytes that are not in the body's charset
+    (UTF-8 unless it says otherwise) to lone surrogates, for `_utf8_fields` to refuse, instead of as Latin-1."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is not None:
+            super().on_part_end()
+        else:
+            self.items.append((part.field_name, part.data.decode(self._charset, "surrogateescape")))
+
+
+def _urlencoded_fields(raw: bytes, where: str) -> dict:
+    # A query string or a form-encoded body; bytes that are not UTF-8, raw or percent-encoded, become lone
+    # surrogates, for `_utf8_fields` to refuse.
+    try:
+        text = raw.decode("utf-8", "surrogateescape")
+        pairs = parse_qsl(text, keep_blank_values=True, max_num_fields=10_000, errors="surrogateescape")
+    except ValueError as error:  # too many fields
+        raise RequestError(f"Invalid request: malformed {where} ({error})") from None
+    return _utf8_fields(pairs, where)
+
+
+def _utf8_fields(pairs: Iterable[tuple[str, object]], where: str) -> dict:
+    # The fields by name, a repeated one as a list, each refused if it holds a byte that was not UTF-8.
     grouped: dict[str, list] = {}
-    for key, value in items.multi_items():
-        grouped.setdefault(key, []).append(value)
-    return list(grouped.items())
+    for name, value in pairs:
+        for text in (name, value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                byte = ord(text[error.start]) - 0xDC00  # surrogateescape put byte b at U+DC00 + b
+                raise RequestError(
+                    f"Invalid request: {shown} in the {where} is not UTF-8 (byte 0x{byte:02x}); send text in UTF-8"
+                ) from None
+        grouped.setdefault(name, []).append(value)
+    return {name: values if len(values) > 1 else values[0] for name, values in grouped.items()}
 
 
 def create_app(
@@ -519,13 +639,15 @@ def create_app(
         # uvicorn calls this after the requests in flight were answered; the queue is empty by then.
         await asyncio.to_thread(batcher.close)
 
-    app = FastAPI(title="vaswani_transformer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="vaswani_transformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # LibreTranslate answers browsers from any origin; so do we, for its web clients.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"])
+    # HEAD answers as GET without the body (uvicorn drops it), as HTTP asks and monitors expect.
+    read = ["GET", "HEAD"]
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
-        return JSONResponse({"error": str(error)}, status_code=error.status)
+        return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -536,11 +658,11 @@ def create_app(
         logger.error("Request failed: %r", error)
         return JSONResponse({"error": f"internal error: {type(error).__name__}"}, status_code=500)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=read, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=read)
     async def health() -> dict:
         return {
             "status": "ok",
@@ -550,7 +672,7 @@ def create_app(
             **(info or {}),
         }
 
-    @app.get("/languages")
+    @app.api_route("/languages", methods=read)
     async def get_languages() -> list[dict]:
         return languages_response(*languages)
 
@@ -563,6 +685,12 @@ def create_app(
         except ValueError as error:  # markup the HTML parser cannot read
             raise RequestError(f"Invalid request: {error}") from error
         sentences = [sentence for found, _ in splits for sentence in found]
+        work = [i for i, sentence in enumerate(sentences) if sentence.strip()]  # a blank line stays blank
+        if len(work) > limits.sentence_limit:
+            raise RequestError(
+                f"Invalid request: q has {len(work)} sentences (lines with text, or HTML text nodes), more than the "
+                f"limit of {limits.sentence_limit} (--sentence-limit); send them in several requests"
+            )
         lengths = [len(ids) for ids in counter(sentences, verbose=False)["input_ids"]] if sentences else []
         if limits.source_limit is not None and limits.long_inputs == "error":
             start = 0
@@ -575,11 +703,19 @@ def create_app(
                         f"of {limits.source_limit}; split it into shorter sentences"
                     )
         try:
-            future = batcher.submit(sentences, sum(lengths))
+            future = batcher.submit([sentences[i] for i in work], [lengths[i] for i in work], limits.request_timeout)
         except RuntimeError as error:
             return JSONResponse({"error": str(error)}, status_code=503)
+        translations = [""] * len(sentences)
         try:
-            translations = await asyncio.wrap_future(future)
+            for i, translation in zip(work, await asyncio.wrap_future(future), strict=True):
+                translations[i] = translation
+        except TimeoutError as error:  # the server is busier than one request's deadline allows: 503, as overload
+            raise RequestError(
+                f"{error}: the server's limit (--request-timeout); send fewer sentences, or retry later",
+                503,
+                {"Retry-After": str(math.ceil(limits.request_timeout))},
+            ) from None
         except Exception as error:
             return JSONResponse({"error": f"translation failed: {error}"}, status_code=500)
         texts, start = [], 0
@@ -703,9 +839,18 @@ def serve(
         batcher = MicroBatcher(
             runner.translate, config.batch_wait_ms, config.max_batch_tokens, config.max_batch_sentences
         )
-        limits = Limits(config.char_limit, config.batch_limit, runner.source_limit, config.long_inputs)
+        limits = Limits(
+            config.char_limit,
+            config.batch_limit,
+            config.sentence_limit,
+            config.request_timeout,
+            runner.source_limit,
+            config.long_inputs,
+        )
         batching = ("batch_wait_ms", "max_batch_tokens", "max_batch_sentences")
-        info = {"model": model, "engine": runner.name, **{name: getattr(config, name) for name in batching}}
+        # The model's name, not its local path, which any origin may read.
+        model_name = Path(model).resolve().name if Path(model).is_dir() else model
+        info = {"model": model_name, "engine": runner.name, **{name: getattr(config, name) for name in batching}}
         app = create_app(batcher, tokenizer, languages, limits, info)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host

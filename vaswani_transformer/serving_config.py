@@ -6,6 +6,7 @@ what one request may ask for) are generated from these fields (`cli.py`), as `tr
 uvicorn, so that the command line knows the options and their defaults without the `serve` extra.
 """
 
+import math
 from dataclasses import dataclass
 
 from .training_config import option
@@ -17,8 +18,8 @@ BATCH_SIZE = 64
 # What translates, for `serve` and `translate` alike: the model's generate(), or its CTranslate2 export.
 ENGINES = ("torch", "ctranslate2")
 # The sections of `serve --help`.
-BATCHING = "micro-batching (one request at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
-LIMITS = "limits of one request (HTTP 400 beyond them)"
+BATCHING = "micro-batching (one sentence at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
+LIMITS = "limits of one request (HTTP 400 beyond them; 503 past --request-timeout)"
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class ServingConfig:
 
     Raises:
         ValueError: a wait outside 0 to 60,000 ms, a budget, limit or thread count below 1, a port outside 0
-            to 65535, or an unknown `long_inputs`.
+            to 65535, a request timeout that is no finite number above 0, or an unknown `long_inputs`.
     """
 
     host: str = option("127.0.0.1", help="address to listen on", group="server")
@@ -53,6 +54,14 @@ class ServingConfig:
     max_batch_sentences: int = option(BATCH_SIZE, help="sentences per generate() call", group=BATCHING)
     char_limit: int = option(5000, help="characters of q, all texts together", group=LIMITS)
     batch_limit: int = option(64, help="texts in a list q", group=LIMITS)
+    sentence_limit: int = option(
+        500, help="sentences of q, all texts together: lines with text, or HTML text nodes", group=LIMITS
+    )
+    request_timeout: float = option(
+        60.0,
+        help="seconds a request may wait and be translated; past them, its untranslated sentences are dropped (503)",
+        group=LIMITS,
+    )
     long_inputs: str = option(
         "error",
         help="a sentence longer than the model's limit (tokens): refuse the request, or truncate the sentence",
@@ -65,9 +74,11 @@ class ServingConfig:
             raise ValueError(f"--port must be a TCP port from 0 (the system chooses) to 65535, got {self.port}.")
         if not 0 <= self.batch_wait_ms <= 60_000:  # a wait the queue can time (inf would never answer)
             raise ValueError(f"--batch-wait-ms must be 0 to 60,000 milliseconds, got {self.batch_wait_ms}.")
-        for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit"):
+        for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit", "sentence_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
+            raise ValueError(f"--request-timeout must be finite seconds above 0, got {self.request_timeout}.")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}.")
         if self.long_inputs not in LONG_INPUTS:
