@@ -1,10 +1,12 @@
 """Checkpoints: atomic, complete, safe to load, and a killed run resumes to the very same parameters."""
 
+import errno
 import json
 import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_arguments, mini_run, read_log
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import vaswani_transformer.modeling_vaswani as modeling
@@ -61,6 +64,129 @@ def test_a_checkpoint_holds_the_whole_training_state_and_its_checksums(uninterru
     optimizer = ckpt.load_optimizer_state(saved[-1])
     assert optimizer["scheduler"]["last_epoch"] == 12 and len(optimizer["optimizer"]["state"]) > 0
     assert not list((uninterrupted / "checkpoints").glob(".*")), "no leftovers of the atomic writes"
+
+
+def test_weights_are_readable_by_whoever_may_read_the_other_files(uninterrupted):
+    # safetensors writes through a temporary file of mode 0600; every file gets the mode the umask gives (0644 here).
+    def modes(directory: Path) -> dict[str, int]:
+        return {path.name: stat.S_IMODE(path.stat().st_mode) for path in directory.iterdir() if path.is_file()}
+
+    for directory in (uninterrupted, *ckpt.list_checkpoints(uninterrupted / "checkpoints")):
+        found = modes(directory)
+        assert len(set(found.values())) == 1, f"{directory}: {found}"
+
+
+def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, f"the run ended (status {process.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def one_line_error(status: int, err: str, expected_status: int = 2) -> str:
+    # The error line, after whatever progress bars the run drew on stderr.
+    assert status == expected_status and "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("vaswani-transformer train:")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_recovers_bitwise(
+    mini_corpus, uninterrupted, tmp_path, monkeypatch, capsys
+):
+    # The writers of safetensors and torch report a full disk in errors of their own, with no errno.
+    save_file = ckpt.save_file
+
+    def disk_full_at_step_6(tensors, path, *args, **kwargs):
+        if ".incomplete-step-6" in str(path):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_file", disk_full_at_step_6)
+    run = tmp_path / "run"
+    status = main(cli_arguments(mini_run(mini_corpus, run)))
+    error = one_line_error(status, capsys.readouterr().err)
+    assert f"No space left in {run} for checkpoint step-6: it needs about 0." in error, error
+    assert "MB free" in error and "run the same command with --resume: it continues from step-3" in error, error
+    monkeypatch.undo()
+    assert main([*cli_arguments(mini_run(mini_corpus, run)), "--resume"]) == 0
+    assert_bitwise_equal(weights(run), weights(uninterrupted))
+    assert [r["step"] for r in read_log(run)] == list(range(1, 13))
+    # A write that fails with ENOSPC itself (torch, Python's own files) is the same line.
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    assert main(cli_arguments(mini_run(mini_corpus, tmp_path / "other"))) == 2
+    assert "No space left in" in one_line_error(2, capsys.readouterr().err)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real file system of 1 MiB (a tmpfs), where this process may mount one (root on Linux)."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    # Lazily: a failed test's traceback may still hold a file open in it.
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+
+
+def test_a_run_on_a_disk_too_small_for_its_checkpoints_stops_in_one_line_and_resumes_once_there_is_room(
+    mini_corpus, uninterrupted, small_tmpfs, capsys
+):
+    run = small_tmpfs / "run"
+    status = main(cli_arguments(mini_run(mini_corpus, run)))
+    error = one_line_error(status, capsys.readouterr().err)
+    assert f"No space left in {run} for checkpoint step-" in error and "MB free, and 0." in error, error
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_tmpfs)], check=True)
+    assert main([*cli_arguments(mini_run(mini_corpus, run)), "--resume"]) == 0
+    assert_bitwise_equal(weights(run), weights(uninterrupted))
+
+
+def test_a_second_run_into_the_same_output_directory_is_refused_while_the_first_lives(mini_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "vaswani_transformer.cli", *cli_arguments(mini_run(mini_corpus, run, max_steps=10**6))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(run / "checkpoints" / "step-3", first)
+        for resume in ([], ["--resume"]):
+            status = main([*cli_arguments(mini_run(mini_corpus, run, max_steps=5)), *resume])
+            error = one_line_error(status, capsys.readouterr().err)
+            assert f"Cannot train in {run}: another train run is writing to it" in error, error
+            assert "another --output-dir" in error
+    finally:
+        first.kill()  # SIGKILL: its lock is left behind, held by no process
+        first.wait()
+    # The lock of a process that died holds nothing back, and a run releases its own whenever it ends.
+    last = ckpt.checkpoint_step(ckpt.list_checkpoints(run / "checkpoints")[-1])
+    assert main([*cli_arguments(mini_run(mini_corpus, run, max_steps=last + 3)), "--resume"]) == 0
+    assert read_log(run)[-1]["step"] == last + 3
+    assert main([*cli_arguments(mini_run(mini_corpus, run, max_steps=last + 4)), "--resume", "--max-tokens", "1"]) == 2
+    assert "--max-tokens was 256, now 1" in capsys.readouterr().err  # refused after taking the lock
+    assert main([*cli_arguments(mini_run(mini_corpus, run, max_steps=last + 4)), "--resume"]) == 0
+
+
+def test_ctrl_c_stops_training_in_one_line_that_says_how_to_resume(mini_corpus, tmp_path):
+    run, stderr = tmp_path / "run", tmp_path / "stderr.txt"
+    arguments = cli_arguments(mini_run(mini_corpus, run, max_steps=10**6))
+    command = [sys.executable, "-m", "vaswani_transformer.cli", *arguments]
+    with stderr.open("w") as err:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for(run / "checkpoints" / "step-3", process)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    error = one_line_error(process.returncode, stderr.read_text(), expected_status=130)
+    last = ckpt.list_checkpoints(run / "checkpoints")[-1]
+    assert error == (
+        f"vaswani-transformer train: interrupted; the last checkpoint is {last}: run the same command with --resume "
+        "to continue from it."
+    )
 
 
 def test_publishing_keeps_the_newest_checkpoints_and_refuses_to_keep_none(uninterrupted, tmp_path):

@@ -1,6 +1,7 @@
 """Reading parallel corpora and batching them by tokens (§5.1)."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -110,13 +111,19 @@ def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(c
             assert len(batch) * max(source_lengths[batch].max(), target_lengths[batch].max()) <= 2048
 
 
-def test_training_pairs_that_are_too_long_or_empty_are_dropped(tmp_path, tokenizer):
+def test_training_pairs_that_are_too_long_or_empty_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     source, target = tmp_path / "t.en", tmp_path / "t.de"
     source.write_text("A dog.\n\n" + "word " * 100 + "\nA cat.\n", encoding="utf-8")
     target.write_text("Ein Hund.\nLeer\nWort\nEine Katze.\n", encoding="utf-8")
     corpus = load_parallel_corpus("", "en", "de", files={"train": (source, target)})
-    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=50)
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
+        tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=50)
     assert tokenized["train"]["de"] == ["Ein Hund.", "Eine Katze."]
+    # Said once, with how many and what share of the training pairs.
+    assert [r.getMessage() for r in caplog.records] == [
+        "Left out 2 of the 4 training pairs: 1 (25.0%) longer than max_length (50 tokens) on a side, "
+        "1 (25.0%) with an empty side."
+    ]
 
 
 def test_a_dataset_with_a_translation_column_is_flattened_to_one_column_per_language(tmp_path):

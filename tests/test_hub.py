@@ -86,6 +86,13 @@ def test_push_command_uploads_a_translator_that_loads_from_the_hub_with_auto_cla
     assert TRANSLATOR_FILES <= files_in(repo), files_in(repo)
     for name in TRANSLATOR_FILES:
         assert (repo / name).read_bytes() == (model_dir / name).read_bytes(), name
+    # The run's settings go without the paths of this machine: local paths by their last part, the rest as they were.
+    local, uploaded = (json.loads((d / "training_config.json").read_text()) for d in (model_dir, repo))
+    assert Path(local["data"]).is_absolute() and Path(local["output_dir"]).is_absolute()
+    assert '"/' not in json.dumps(uploaded), uploaded  # no string of it starts with "/"
+    assert uploaded["data"] == "multi30k" and uploaded["output_dir"] == Path(local["output_dir"]).name
+    paths = ("data", "output_dir")
+    assert {k: v for k, v in uploaded.items() if k not in paths} == {k: v for k, v in local.items() if k not in paths}
 
     script = f"""
 import json
@@ -286,3 +293,20 @@ def test_a_card_rewritten_without_the_run_settings_keeps_its_languages_and_datas
     with pytest.raises(ValueError, match=r"README.md has metadata that is no YAML \(.*\); fix its front matter"):
         write_model_card(model_dir)
     assert (model_dir / "README.md").read_text().endswith("Notes.\n")
+
+
+def test_saved_weights_take_the_mode_the_umask_gives_every_other_file(tokenizer, tmp_path):
+    # safetensors writes through a temporary file of mode 0600: others who may read the config could not load the model.
+    import stat
+
+    from conftest import random_model
+
+    from vaswani_transformer.hub import save_translator
+
+    umask = os.umask(0o027)
+    try:
+        saved = save_translator(random_model(tokenizer), tokenizer, tmp_path / "model")
+    finally:
+        os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in saved.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o640, modes

@@ -301,3 +301,31 @@ def test_a_given_tokenizer_takes_the_runs_max_length(tokenizer, tmp_path):
     config = TrainingConfig(data="unused", source_lang="en", target_lang="de", output_dir=str(tmp_path / "run"),
                             tokenizer=str(tmp_path), max_length=max_length, max_steps=1)  # fmt: skip
     assert _prepare_tokenizer(config, None, resuming=False).model_max_length == max_length, "translation truncates"
+
+
+def test_a_run_resumes_on_its_corpus_as_it_was_or_with_allow_data_change(multi30k_dir, tmp_path, capsys):
+    from conftest import cli_arguments, make_corpus
+
+    from vaswani_transformer.cli import main
+    from vaswani_transformer.training import train
+
+    corpus = make_corpus(multi30k_dir, tmp_path / "corpus", 400)
+    output = train(mini_run(corpus, tmp_path / "run", max_steps=3, save_steps=3))
+    # The same path, the same size, one letter changed in place.
+    train_en = corpus / "train.en"
+    text = train_en.read_text(encoding="utf-8")
+    train_en.write_text(text.replace("A", "a", 1), encoding="utf-8")
+    assert train_en.stat().st_size == len(text.encode("utf-8"))
+    assert main(cli_arguments(mini_run(corpus, output, max_steps=6, resume=True))) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("vaswani-transformer train: error: Cannot resume the run in") and "Traceback" not in error
+    assert "train.en changed since the run started (same size, another SHA-256)" in error
+    assert "--allow-data-change" in error and read_log(output)[-1]["step"] == 3
+    # Allowed, the run continues on the new data and records it: the next resume compares with that.
+    train(mini_run(corpus, output, max_steps=6, resume=True, allow_data_change=True))
+    assert read_log(output)[-1]["step"] == 6
+    train(mini_run(corpus, output, max_steps=7, resume=True))
+    assert read_log(output)[-1]["step"] == 7
+    (corpus / "val.de").write_text("Ein Hund.\n" * 100, encoding="utf-8")  # another size
+    with pytest.raises(ValueError, match=r"val.de changed since the run started \(\d+ bytes, now 1000\)"):
+        train(mini_run(corpus, output, max_steps=8, resume=True))

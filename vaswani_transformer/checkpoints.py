@@ -17,16 +17,22 @@ Writes are atomic: the files go into a hidden `.incomplete-*` directory that is 
 systems), and old checkpoints are renamed to `.deleting-*` before they are removed. So a run
 killed at any moment leaves complete checkpoints and hidden leftovers, which the next run removes.
 
+A disk too full for a checkpoint stops the run in one line that says how much room it needs
+(`room_for`); the run then resumes from its last checkpoint once there is room.
+
 `average_run_checkpoints` averages a run's last checkpoints into a model that `from_pretrained`
 loads (§6.1).
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,7 +42,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
-from .hub import ensure_writable, save_translator, write_model_card
+from .hub import ensure_writable, give_umask_mode, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
 logger = logging.getLogger(__name__)
@@ -195,12 +201,64 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     check_loaded_names(*loaded, model.config)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as 64 hexadecimal digits, read in blocks of 1 MiB.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
     digest = hashlib.sha256()
     with path.open("rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, path)
+    give_umask_mode(path)  # safetensors writes through a temporary file of mode 0600
+
+
+@contextlib.contextmanager
+def room_for(directory: Path, needed: int, what: str, then: str) -> Iterator[None]:
+    """Around writes of `what`, about `needed` bytes, into `directory`: where the disk cannot hold them, one line.
+
+    The free space is checked before anything is written, and a write that fails for want of space
+    becomes the same error: safetensors, torch and tokenizers report it in errors of their own, the
+    last two with no errno.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
+    Args:
+        directory: an existing directory of the file system written to.
+        needed: the bytes the writes take.
+        what: what is written, for the message (e.g. "checkpoint step-500").
+        then: what to do once there is room (e.g. "run the same command with --resume").
+
+    Raises:
+        OSError: the file system holds less than `needed` bytes free, or a write failed for want of
+            space; the message names `directory`, the space needed and the space free.
+    """
+    directory = Path(directory)
+
+    def no_room() -> OSError:
+        free = shutil.disk_usage(directory).free
+        return OSError(
+            f"No space left in {directory} for {what}: it needs about {needed / 1e6:,.1f} MB free, and "
+            f"{free / 1e6:,.1f} MB are. Free some space, then {then}."
+        )
+
+    if shutil.disk_usage(directory).free < needed:
+        raise no_room()
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, OSError):
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        else:  # a writer's own error; torch's names no reason, but the disk it left full does
+            full = os.strerror(errno.ENOSPC) in str(error) or shutil.disk_usage(directory).free < needed
+        if not full:
+            raise
+        raise no_room() from error
 
 
 def _fsync(path: Path) -> None:
@@ -233,7 +291,7 @@ def write_rng_state(directory: Path, rank: int) -> None:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state.update({f"cuda-{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(state, directory / f"rng-{rank}.safetensors")
+    _save_tensors(state, directory / f"rng-{rank}.safetensors")
 
 
 def write_optimizer_partition(directory: Path, rank: int, state: dict) -> None:
@@ -269,10 +327,10 @@ def write_main_state(
         trainer_state: JSON-serialisable progress (step, data position, log, ...).
         config: the model's configuration, when `model` is a state dict (see `model_state`).
     """
-    save_file(model_state(model, config), directory / WEIGHTS_NAME)
+    _save_tensors(model_state(model, config), directory / WEIGHTS_NAME)
     torch.save(optimizer_state, directory / OPTIMIZER_NAME)
     files = sorted(p for p in directory.iterdir() if p.name != STATE_NAME)
-    trainer_state = {**trainer_state, "files": {p.name: _sha256(p) for p in files}}
+    trainer_state = {**trainer_state, "files": {p.name: sha256_file(p) for p in files}}
     (directory / STATE_NAME).write_text(json.dumps(trainer_state, indent=1) + "\n")
     for path in directory.iterdir():
         _fsync(path)
@@ -356,7 +414,7 @@ def verify_checkpoint(path: Path, world_size: int | None) -> dict:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing.")
-        if _sha256(file) != digest:
+        if sha256_file(file) != digest:
             raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the one recorded when it was written.")
     return state
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .checkpoints import sha256_file
 from .training_config import TrainingConfig
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,45 @@ def load_parallel_corpus(
     return datasets.DatasetDict(splits)
 
 
+def corpus_fingerprint(
+    data: str | os.PathLike,
+    source_lang: str,
+    target_lang: str,
+    files: dict[str, tuple[str, str]] | None = None,
+) -> dict[str, dict[str, int | str]]:
+    """The size and SHA-256 of each local file that `train` learns from, to tell whether a corpus changed in place.
+
+    The files are those `load_parallel_corpus` reads for the training and validation splits: `<stem>.<lang>`
+    text files of a directory, the files of a local dataset folder, and explicit `files`. A Hub dataset has none.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+
+    Args:
+        data, source_lang, target_lang, files: as for `load_parallel_corpus`.
+
+    Returns:
+        `{name: {"bytes": size, "sha256": digest}}`, named by the path inside `data`, or for explicit files by
+        the file's name and its split (no path of this machine).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    files = files or {}
+    path = Path(data) if data else None
+    found: dict[str, Path] = {}
+    if path is not None and path.is_dir():
+        text_files = _find_split_files(path, source_lang, target_lang)
+        for split in ("train", "validation"):
+            if split in text_files and split not in files:
+                found.update({file.name: file for file in text_files[split]})
+        if not text_files:
+            tables = (p for p in sorted(path.rglob("*")) if p.suffix in DATASET_SUFFIXES and p.is_file())
+            found.update({table.relative_to(path).as_posix(): table for table in tables})
+    for split in ("train", "validation"):
+        found.update({f"{Path(file).name} ({split} files)": Path(file) for file in files.get(split, ())})
+    return {name: {"bytes": file.stat().st_size, "sha256": sha256_file(file)} for name, file in found.items()}
+
+
 def _load_dataset_corpus(
     dataset_id: str, source_lang: str, target_lang: str, dataset_config: str | None
 ) -> dict[str, datasets.Dataset]:
@@ -243,7 +283,9 @@ def tokenize_corpus(
     max_length: int = TrainingConfig.max_length,
     num_proc: int | None = None,
 ) -> datasets.DatasetDict:
-    """Tokenize every split with `datasets.map` (§5.1); drop training pairs that are empty or too long.
+    """Tokenize every split with `datasets.map` (§5.1); drop training pairs that are empty or too long, with a count.
+
+    One warning says how many training pairs were left out, and what share, where any were.
 
     Args:
         corpus: from `load_parallel_corpus`.
@@ -281,11 +323,18 @@ def tokenize_corpus(
     )
     # A sentence of max_length + 1 tokens was truncated: drop such training pairs rather than learn
     # from a cut-off translation; `</s>` alone (length 1) is an empty line.
-    keep = lambda batch: [  # noqa: E731
-        1 < s <= max_length and 1 < t <= max_length
-        for s, t in zip(batch["source_length"], batch["target_length"], strict=True)
-    ]
-    tokenized["train"] = tokenized["train"].filter(keep, batched=True, num_proc=num_proc, desc="Filtering")
+    source, target = lengths_of(tokenized["train"])
+    too_long = (source > max_length) | (target > max_length)
+    empty = ~too_long & ((source <= 1) | (target <= 1))
+    left_out = too_long | empty
+    if left_out.any():
+        share = lambda count: f"{count:,} ({100 * count / len(source):.1f}%)"  # noqa: E731
+        logger.warning(
+            "Left out %s of the %s training pairs: %s longer than max_length (%d tokens) on a side, %s with an "
+            "empty side.",
+            f"{left_out.sum():,}", f"{len(source):,}", share(too_long.sum()), max_length, share(empty.sum()),
+        )  # fmt: skip
+        tokenized["train"] = tokenized["train"].select(np.flatnonzero(~left_out))
     return tokenized
 
 

@@ -7,11 +7,28 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_card_template.md"
+# The file by which a `train` run holds its output directory against other runs (training.py); no part of the model.
+TRAINING_LOCK_NAME = ".train.lock"
+
+
+def give_umask_mode(*paths: str | Path) -> None:
+    """Give files the mode that `open()` gives a new file: read and write for all, less the process's umask.
+
+    safetensors (0.8) writes through a temporary file of mode 0600 that it renames into place, so that
+    its weights would be the one file of a model that those who may read the others cannot.
+
+    Args:
+        paths: files this process owns.
+    """
+    umask = os.umask(0o077)  # reading the umask means setting it: meanwhile, new files are private, never open
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
 
 
 def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: str | Path) -> Path:
@@ -34,6 +51,7 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     """
     output_dir = Path(output_dir)
     model.save_pretrained(output_dir)
+    give_umask_mode(*output_dir.glob("*.safetensors"))
     # Otherwise tokenizer.json records whatever the last call used (e.g. truncation at
     # --max-length + 1 from training, or nothing when `datasets` took the tokenized corpus from
     # its cache), and tools that read the file directly would apply it.
@@ -111,10 +129,12 @@ def push_translator(
 ) -> str:
     """`vaswani-transformer push`: upload a saved translator directory to a Hub model repository.
 
-    Everything in the directory goes: weights (safetensors), config, generation config,
-    tokenizer, the code for `trust_remote_code` users and the model card (`README.md`); training
-    leftovers (`checkpoints/`) do not. The endpoint and token are `huggingface_hub`'s
-    (`HF_ENDPOINT`, `HF_TOKEN`, `hf auth login`).
+    Everything in the directory goes, in one commit: weights (safetensors), config, generation config,
+    tokenizer, the code for `trust_remote_code` users, the model card (`README.md`) and the run's
+    settings (`training_config.json`, with its local paths cut to their last part: the corpus
+    directory's name, not where it lies on this machine); training leftovers (`checkpoints/`, the
+    lock of a run) do not. The endpoint and token are `huggingface_hub`'s (`HF_ENDPOINT`, `HF_TOKEN`,
+    `hf auth login`).
 
     Args:
         output_dir: a directory written by `train` or `save_translator`.
@@ -145,13 +165,35 @@ def push_translator(
     # The repository first: a push refused there (an id, the network, a token) leaves the local card as it was.
     api.create_repo(repo_id, private=private, exist_ok=True)
     write_model_card(output_dir, model_id=repo_id)  # its usage snippet names the repository
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=output_dir,
-        commit_message=commit_message,
-        ignore_patterns=["checkpoints/*", "ctranslate2/*", "*.tmp"],
-    )
-    return commit.commit_url
+    names = [path.relative_to(output_dir).as_posix() for path in sorted(output_dir.rglob("*")) if path.is_file()]
+    ignored = ["checkpoints/*", "ctranslate2/*", "*.tmp", TRAINING_LOCK_NAME, ".cache/*", ".git/*"]
+    operations = [
+        CommitOperationAdd(name, _shareable(output_dir / name) if name == "training_config.json" else output_dir / name)
+        for name in filter_repo_objects(names, ignore_patterns=ignored)
+    ]
+    return api.create_commit(repo_id, operations, commit_message=commit_message).commit_url
+
+
+def _shareable(record_path: Path) -> bytes | Path:
+    # training_config.json without this machine's paths: each local one (the corpus, its files, the output and
+    # tokenizer directories) by its last part; Hub ids and the rest as written. A record that is no JSON goes as is.
+    try:
+        record = json.loads(record_path.read_text())
+    except ValueError:
+        return record_path
+    if not isinstance(record, dict):
+        return record_path
+
+    def name(value):
+        local = isinstance(value, str) and (os.path.isabs(value) or os.path.exists(value))
+        return Path(value).name if local else value
+
+    for key in ("data", "output_dir", "tokenizer"):
+        if key in record:
+            record[key] = name(record[key])
+    if isinstance(record.get("files"), dict):  # {split: [source file, target file]}
+        record["files"] = {split: [name(path) for path in pair] for split, pair in record["files"].items()}
+    return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def write_model_card(

@@ -3,7 +3,8 @@
 `train(TrainingConfig(...))` reads a parallel corpus, trains (or loads) the shared BPE
 tokenizer, trains a `VaswaniForConditionalGeneration` on one CPU or many devices (data parallel
 under `accelerate launch`), checkpoints so that a killed run resumes exactly, averages the last
-checkpoints (§6.1), and writes a directory that `from_pretrained` loads.
+checkpoints (§6.1), and writes a directory that `from_pretrained` loads. One run at a time holds
+an output directory (a lock that the operating system releases when its process ends).
 """
 
 import contextlib
@@ -27,15 +28,23 @@ from accelerate.utils import (
     parse_flag_from_env,
     set_seed,
 )
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
-from .data import TokenBatchSampler, lengths_of, load_parallel_corpus, text_batches, tokenize_corpus
+from .data import (
+    TokenBatchSampler,
+    corpus_fingerprint,
+    lengths_of,
+    load_parallel_corpus,
+    text_batches,
+    tokenize_corpus,
+)
 from .flops import peak_flops, training_flops
-from .hub import ensure_writable, save_translator, write_model_card
+from .hub import TRAINING_LOCK_NAME, ensure_writable, save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .ops_vaswani import fastest_mixed_precision
 from .plotting import plot_learning_curve
@@ -178,6 +187,11 @@ def _check_output_dir(output_dir: Path, resume: bool) -> None:
         )
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    # The bytes of the model's weights, each stored once (the shared embedding too, §3.4).
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _parameter_checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -209,18 +223,22 @@ def train(config: TrainingConfig) -> Path:
             holds a run's checkpoints but `resume` is off (or on, with settings of `RUN_FIELDS` that differ
             from the run's), or a model but no checkpoints; no training batch fits the settings (no pair
             within `max_length`, or fewer batches than processes), or `max_tokens` is below the longest pair.
-        OSError: the output directory cannot be written.
+        OSError: the output directory cannot be written, another run holds it, or its disk has no room for a
+            checkpoint or the model (the message says how much is needed; `resume` then continues the run).
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe (names the last good one).
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
     run = TrainingRun(config)
-    done = run.ended()
-    while not done:
-        step_loss = run.optimizer_step()
-        if step_loss is not None:  # None: a non-finite loss, skipped
-            done = run.after_step(step_loss)
-    return run.finish()
+    try:
+        done = run.ended()
+        while not done:
+            step_loss = run.optimizer_step()
+            if step_loss is not None:  # None: a non-finite loss, skipped
+                done = run.after_step(step_loss)
+        return run.finish()
+    finally:
+        run.close()
 
 
 class TrainingRun:
@@ -230,17 +248,18 @@ class TrainingRun:
     so that two runs in one process share nothing but the process-wide random number generators.
 
     Args:
-        config: the run's settings. Creating the run sets everything up: the output directory, the
-            corpus and tokenizer (§5.1), the model, Adam with the §5.3 schedule, and the state of the
-            checkpoint it resumes from, if any.
+        config: the run's settings. Creating the run sets everything up: the output directory (held against
+            other runs until `close`), the corpus and tokenizer (§5.1), the model, Adam with the §5.3 schedule,
+            and the state of the checkpoint it resumes from, if any.
 
     Raises:
         ValueError, FileNotFoundError: the corpus cannot be read, the output directory holds a run's
-            checkpoints and `config.resume` is off (on: other settings of `RUN_FIELDS` than the run's; or a
-            model and no checkpoints), no training batch fits the settings (no pair within `max_length`, or
-            fewer batches than processes), `max_tokens` is below the longest pair, or `config.update_freq` is
-            above 1 under DeepSpeed.
-        OSError: the output directory is not writable.
+            checkpoints and `config.resume` is off (on: other settings of `RUN_FIELDS` than the run's, corpus
+            files changed since it started without `allow_data_change`; or a model and no checkpoints), no
+            training batch fits the settings (no pair within `max_length`, or fewer batches than processes),
+            `max_tokens` is below the longest pair, or `config.update_freq` is above 1 under DeepSpeed.
+        OSError: the output directory is not writable, another run holds it, or its disk has no room for a
+            checkpoint.
         checkpoints.CheckpointError: the checkpoint to resume from is damaged or unsafe.
     """
 
@@ -250,9 +269,18 @@ class TrainingRun:
         self.checkpoints_dir = self.output_dir / "checkpoints"
         self.log_path = self.output_dir / "training_log.jsonl"
         self.max_steps = config.max_steps or math.inf
-        resume_from, state = self._start()
-        self._prepare(self._load_data_and_model(resume_from))
-        self._resume(resume_from, state)
+        self._held = contextlib.ExitStack()  # what `close` lets go: the output directory's lock, the progress bar
+        try:
+            resume_from, state = self._start()
+            self._prepare(self._load_data_and_model(resume_from))
+            self._resume(resume_from, state)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the progress bar and let other runs have the output directory; `train` calls it however a run ends."""
+        self._held.close()
 
     def _start(self) -> tuple[Path | None, dict | None]:
         # The processes, the output directory, and the checkpoint to resume from (None: a new run).
@@ -281,17 +309,45 @@ class TrainingRun:
                 f"--update-freq {config.update_freq} does not work under DeepSpeed, which updates the weights after "
                 "every batch: use --update-freq 1 and reach the batch size with --max-tokens or more processes."
             )
-        _check_output_dir(self.output_dir, config.resume)
-        if config.resume and ckpt.list_checkpoints(self.checkpoints_dir):
-            config.check_resumes(self._record())
         if accelerator.is_main_process:
             ensure_writable(self.output_dir)
+        self._hold_output_dir()
+        _check_output_dir(self.output_dir, config.resume)
+        self.corpus_files = corpus_fingerprint(config.data, config.source_lang, config.target_lang, config.files)
+        if config.resume and ckpt.list_checkpoints(self.checkpoints_dir):
+            record = self._record()
+            if data_changes := config.check_resumes(record, self.corpus_files):  # allowed by --allow-data-change
+                logger.warning("Resuming on a changed corpus: %s.", "; ".join(data_changes))
+                if accelerator.is_main_process:  # the next resume compares with the data trained on now
+                    record["corpus_fingerprint"] = self.corpus_files
+                    ckpt.write_text_atomically(
+                        self.output_dir / "training_config.json", json.dumps(record, indent=2) + "\n"
+                    )
+        if accelerator.is_main_process:
             for leftover in ckpt.remove_leftovers(self.checkpoints_dir):
                 accelerator.print(f"Removed {leftover.name}, left behind by a run that was killed.")
         resume_from, state = ckpt.latest_good_checkpoint(self.checkpoints_dir, accelerator.num_processes)
         accelerator.wait_for_everyone()
         set_seed(config.seed, device_specific=True)  # different dropout masks on every process
         return resume_from, state
+
+    def _hold_output_dir(self) -> None:
+        # One run at a time writes to an output directory: its main process holds OUTPUT_DIR/.train.lock (flock) until
+        # `close`. The kernel releases the lock of a process that ends, killed too, so no stale lock is ever held.
+        accelerator, refusal = self.accelerator, [None]
+        if accelerator.is_main_process:
+            lock = self.output_dir / TRAINING_LOCK_NAME
+            try:
+                self._held.enter_context(FileLock(lock, timeout=0))
+            except Timeout:
+                refusal = [
+                    f"Cannot train in {self.output_dir}: another train run is writing to it (it holds {lock}). Wait "
+                    "for that run to end, or choose another --output-dir."
+                ]
+        if accelerator.num_processes > 1:  # every process stops alike
+            refusal = broadcast_object_list(refusal)
+        if refusal[0]:
+            raise OSError(refusal[0])
 
     def _resolve_mixed_precision(self, launched_on_cpus: bool) -> str:
         # `auto`, before Accelerate starts: the resumed run's choice where there is one (training_config.json), so
@@ -314,10 +370,6 @@ class TrainingRun:
             config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
         )
         self.tokenizer = tokenizer = _prepare_tokenizer(config, corpus, resuming=resume_from is not None)
-        if accelerator.is_main_process and resume_from is None:
-            tokenizer.save_pretrained(self.output_dir)  # resumed runs must tokenize exactly alike
-            (self.output_dir / "training_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-        tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
         model_config = VaswaniConfig.from_preset(
             config.preset,
             vocab_size=len(tokenizer),
@@ -327,9 +379,17 @@ class TrainingRun:
             decoder_start_token_id=tokenizer.bos_token_id,
             **config.model_overrides,
         )
-        if accelerator.is_main_process and resume_from is None:
-            model_config.save_pretrained(self.output_dir)  # `average` builds the model from it, before the run ends
         model = VaswaniForConditionalGeneration(model_config)
+        # A checkpoint holds the weights and Adam's two moments of each (§5.3), besides files of a few kB.
+        self.checkpoint_bytes = 3 * _weight_bytes(model)
+        # Before the first step: a disk without room for a checkpoint would otherwise stop the run at its first save.
+        with ckpt.room_for(self.output_dir, self.checkpoint_bytes, "a checkpoint", "run the same command again"):
+            if accelerator.is_main_process and resume_from is None:
+                tokenizer.save_pretrained(self.output_dir)  # resumed runs must tokenize exactly alike
+                record = {**asdict(config), "corpus_fingerprint": self.corpus_files}  # what a resume must find again
+                (self.output_dir / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
+                model_config.save_pretrained(self.output_dir)  # `average` builds the model from it, before the run ends
+        tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
         # Compiled code is specialised to shapes; lengths in steps of 8 leave it few to meet (and suit matrix units).
         pad_to = 8 if config.compile else 1
         self.train_batches = _batches(
@@ -406,6 +466,7 @@ class TrainingRun:
             total=config.max_steps, initial=self.state["step"], desc="Training", unit="step",
             disable=not accelerator.is_local_main_process,
         )  # fmt: skip
+        self._held.callback(self.progress.close)  # however the run ends: nothing printed after it joins its line
         self.stream = _micro_batches(self.train_batches, self.state["epoch"], self.state["batches_done"])
         # Summed loss, target tokens and model FLOPs since the last log record (a checkpoint carries them across a
         # resume; checkpoints of earlier versions counted no FLOPs).
@@ -661,25 +722,30 @@ class TrainingRun:
             The checkpoint's directory.
 
         Raises:
-            OSError: writing failed (the incomplete checkpoint is hidden and removed by the next run).
+            OSError: writing failed (the incomplete checkpoint is hidden and removed by the next run); where the
+                disk has no room for it, before anything is written if it can be told, one line says how much
+                room it needs and how to resume.
         """
         accelerator, state = self.accelerator, self.state
         state.update(elapsed_seconds=time.monotonic() - self.started, interval=self.interval.tolist())
-        directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
-        ckpt.write_rng_state(directory, accelerator.process_index)
-        weights, optimizer = self._training_state(directory)
-        accelerator.wait_for_everyone()
-        published = self.checkpoints_dir / f"step-{state['step']}"
-        if accelerator.is_main_process:
-            optimizer_state = {"scheduler": self.scheduler.state_dict()}
-            if optimizer is not None:  # None: in the processes' `optimizer-<rank>.pt` (DeepSpeed ZeRO)
-                optimizer_state["optimizer"] = optimizer
-            if accelerator.scaler is not None:
-                optimizer_state["scaler"] = accelerator.scaler.state_dict()
-            ckpt.write_main_state(directory, weights, optimizer_state, state, self.unwrapped.config)
-            best = (state["best_step"],) if state.get("best_step") else ()
-            published = ckpt.publish_checkpoint(directory, self.config.keep_checkpoints, protect=best)
+        last = ckpt.list_checkpoints(self.checkpoints_dir)
+        resume = f"run the same command with --resume: it continues from {last[-1].name if last else 'the start'}"
+        with ckpt.room_for(self.output_dir, self.checkpoint_bytes, f"checkpoint step-{state['step']}", resume):
+            directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
+            accelerator.wait_for_everyone()
+            ckpt.write_rng_state(directory, accelerator.process_index)
+            weights, optimizer = self._training_state(directory)
+            accelerator.wait_for_everyone()
+            published = self.checkpoints_dir / f"step-{state['step']}"
+            if accelerator.is_main_process:
+                optimizer_state = {"scheduler": self.scheduler.state_dict()}
+                if optimizer is not None:  # None: in the processes' `optimizer-<rank>.pt` (DeepSpeed ZeRO)
+                    optimizer_state["optimizer"] = optimizer
+                if accelerator.scaler is not None:
+                    optimizer_state["scaler"] = accelerator.scaler.state_dict()
+                ckpt.write_main_state(directory, weights, optimizer_state, state, self.unwrapped.config)
+                best = (state["best_step"],) if state.get("best_step") else ()
+                published = ckpt.publish_checkpoint(directory, self.config.keep_checkpoints, protect=best)
         accelerator.wait_for_everyone()
         self.last_save = time.monotonic()
         return published
@@ -726,6 +792,8 @@ class TrainingRun:
 
         Raises:
             ValueError: no checkpoint is left to average, or their tensors differ.
+            OSError: the disk has no room for the model (the message says how much it needs; a resumed run that
+                has ended only finishes).
         """
         self.progress.close()
         accelerator = self.accelerator
@@ -734,13 +802,15 @@ class TrainingRun:
             model = self._whole_model()
             ckpt.load_model_state(model, ckpt.average_checkpoints(last))
             self._choose_decoding(model)  # may rewrite training_config.json: the averaged steps go in after
-            save_translator(model, self.tokenizer, self.output_dir)
-            ckpt.record_averaged_steps(self.output_dir, last)
-            write_model_card(self.output_dir, keep_results=False)  # scores of earlier weights (a resumed run's) go
-            try:
-                plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
-            except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
-                accelerator.print(f"No learning_curve.png: {error}")
+            resume = "run the same command with --resume: it only saves the model"
+            with ckpt.room_for(self.output_dir, _weight_bytes(model), "the model", resume):
+                save_translator(model, self.tokenizer, self.output_dir)
+                ckpt.record_averaged_steps(self.output_dir, last)
+                write_model_card(self.output_dir, keep_results=False)  # scores of earlier weights (resumed) go
+                try:
+                    plot_learning_curve(self.log_path, self.output_dir / "learning_curve.png")
+                except (ImportError, ValueError) as error:  # matplotlib is optional; a run with no log has no curve
+                    accelerator.print(f"No learning_curve.png: {error}")
         accelerator.wait_for_everyone()
         accelerator.end_training()  # closes the trackers and the process group
         return self.output_dir

@@ -156,6 +156,12 @@ class TrainingConfig:
         "(a new run when there is none)",
         group="checkpoints and faults",
     )
+    allow_data_change: bool = option(
+        False,
+        help="with --resume, continue even if the corpus files (training and validation) changed since the run "
+        "started, in size or content: on the new data from the checkpoint on (else such a resume is refused)",
+        group="checkpoints and faults",
+    )
     skip_nonfinite: bool = option(
         False,
         help="skip (and count) steps whose loss is NaN or infinite instead of stopping the run",
@@ -248,14 +254,19 @@ class TrainingConfig:
                 f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
             )
 
-    def check_resumes(self, record: dict) -> None:
-        """Refuse to resume a run whose settings differ from those it started with.
+    def check_resumes(self, record: dict, corpus: dict | None = None) -> list[str]:
+        """Refuse to resume a run whose settings, or corpus files, differ from those it started with.
 
         See docs/training.md, "Training at scale, and runs that survive being killed".
 
         Args:
             record: the run's `training_config.json` as its start wrote it; fields it lacks (an earlier
                 version's record) are not compared.
+            corpus: the corpus files now, `{name: {"bytes": size, "sha256": digest}}` (`data.corpus_fingerprint`),
+                compared with the record's `corpus_fingerprint` where it has one.
+
+        Returns:
+            The changes of the corpus files that `allow_data_change` lets pass, one phrase each (none without it).
 
         Raises:
             ValueError: a field of `RUN_FIELDS` differs, naming each field's option, the run's value and this
@@ -263,7 +274,8 @@ class TrainingConfig:
                 neither does (a Hub dataset), and not at all where only one does (a relative path written
                 from another directory). The model compares as the config that `preset` and
                 `model_overrides` give, `attn_implementation` apart: it changes the speed, not the function
-                (§3.2.1, Eq. 1 either way).
+                (§3.2.1, Eq. 1 either way). Or a corpus file differs in size or SHA-256, is new or is gone,
+                and `allow_data_change` is off (the message names each file).
         """
         options = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(self)}
         options.update(data="--data-dir/--dataset", files="--train-files/--validation-files")
@@ -290,6 +302,14 @@ class TrainingConfig:
                 f"Cannot resume the run in {self.output_dir} with other settings: {'; '.join(changed)}. Resume it "
                 "with the settings in its training_config.json, or give another --output-dir for a new run."
             )
+        recorded = record.get("corpus_fingerprint")
+        data_changes = _corpus_changes(recorded, corpus) if isinstance(recorded, dict) and corpus is not None else []
+        if data_changes and not self.allow_data_change:
+            raise ValueError(
+                f"Cannot resume the run in {self.output_dir}: {'; '.join(data_changes)}. Restore the files the run "
+                "started with, or pass --allow-data-change to continue on the new data from the last checkpoint."
+            )
+        return data_changes
 
     def _check_model_overrides(self) -> None:
         # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
@@ -324,6 +344,20 @@ def _same_corpus(was: Any, now: Any) -> bool:
     if found and all(found):
         return [os.path.realpath(p) for p in _paths(was)] == [os.path.realpath(p) for p in _paths(now)]
     return was == now or any(found)
+
+
+def _corpus_changes(was: dict, now: dict) -> list[str]:
+    # How the corpus files differ between two `data.corpus_fingerprint`s, one phrase per file.
+    changes = []
+    for name in sorted(was.keys() | now.keys()):
+        before, after = was.get(name), now.get(name)
+        if before is None or after is None:
+            changes.append(f"{name} is {'new' if before is None else 'gone'} since the run started")
+        elif before["bytes"] != after["bytes"]:
+            changes.append(f"{name} changed since the run started ({before['bytes']} bytes, now {after['bytes']})")
+        elif before["sha256"] != after["sha256"]:
+            changes.append(f"{name} changed since the run started (same size, another SHA-256)")
+    return changes
 
 
 def _model(preset: str, overrides: Any) -> dict | None:
