@@ -12,6 +12,7 @@ target token of the optimizer step counts the same, as in one bigger batch.
 """
 
 import argparse
+import copy
 
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -28,6 +29,23 @@ from vaswani_transformer.hub import save_translator
 from vaswani_transformer.training import avoid_cudnn_attention
 from vaswani_transformer.training_config import TrainingConfig
 from vaswani_transformer.translation import corpus_bleu
+
+
+class _Seq2SeqTrainer(Seq2SeqTrainer):
+    """`Seq2SeqTrainer` that leaves the model's generation config as it found it.
+
+    After each evaluation batch, `Seq2SeqTrainer.prediction_step` fills the model's generation config
+    with transformers' defaults (`max_length=20`, `top_k=50`, ...): every later `generate()` would
+    warn that both `max_new_tokens` (the model's limit of source length + 50, §6.1) and `max_length`
+    are set, and the fine-tuned model would be saved with them.
+    """
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        kept = copy.deepcopy(self.model.generation_config)
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+        finally:
+            self.model.generation_config = kept
 
 
 def build_trainer(
@@ -62,6 +80,9 @@ def build_trainer(
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, **(config_overrides or {}))
+    # Checkpoints hold the shared embedding once (§3.4), not its tied copies: named here, the Trainer ties them again
+    # when it loads the best checkpoint, instead of reporting them missing.
+    model._keys_to_ignore_on_save = list(model.all_tied_weights_keys)
     corpus = load_parallel_corpus(data, source_lang, target_lang)
 
     def tokenize(batch: dict) -> dict:
@@ -92,7 +113,7 @@ def build_trainer(
         report_to="none",
     )
     arguments.update(training_arguments)
-    return Seq2SeqTrainer(
+    return _Seq2SeqTrainer(
         model=model,
         args=Seq2SeqTrainingArguments(**arguments),
         train_dataset=tokenized["train"],

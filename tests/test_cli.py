@@ -10,6 +10,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 from conftest import cli_arguments, mini_run, needs_fork, tag_with_process
 from huggingface_hub import ModelCard
 
@@ -326,3 +327,138 @@ def test_decoding_choices_follow_one_flag_and_a_later_flag_replaces_them():
         + ["--choose-num-beams", "4", "6", "--choose-num-beams", "4"]
     )
     assert args.choose_length_penalty == [0.6, 1.0, 1.4] and args.choose_num_beams == [4]
+
+
+# Round three: bad input and noise (issue 63) ------------------------------------------------------------------------
+
+
+def test_help_and_usage_errors_import_neither_torch_nor_transformers():
+    # They answer at once, where importing torch and transformers took 7 s; `import vaswani_transformer` still
+    # registers the Auto classes (the next test).
+    script = """
+import sys
+from vaswani_transformer.cli import main
+for argv in (["--help"], [], ["no-such-command"]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        print("exit", exit.code)
+print("imported:", sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers"}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert "translate" in result.stdout and "export-ctranslate2" in result.stdout  # the commands are listed
+    assert lines[-4:] == ["exit 0", "exit 2", "exit 2", "imported: []"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import vaswani_transformer",
+        "import transformers, vaswani_transformer",
+        "from vaswani_transformer.configuration_vaswani import VaswaniConfig",  # imports transformers itself
+        "from vaswani_transformer.modeling_vaswani import VaswaniModel",
+    ],
+)
+def test_the_auto_classes_know_the_model_whichever_module_is_imported_first(first):
+    script = f"""{first}
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+sizes = dict(d_model=32, d_ff=64, encoder_layers=1, decoder_layers=1, num_attention_heads=4, vocab_size=100)
+config = AutoConfig.for_model("vaswani_transformer", **sizes)
+models = AutoModel.from_config(config), AutoModelForSeq2SeqLM.from_config(config)
+print(type(config).__name__, *(type(model).__name__ for model in models), type(config)._auto_class)  # for auto_map
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    expected = ["VaswaniConfig", "VaswaniModel", "VaswaniForConditionalGeneration", "AutoConfig"]
+    assert result.stdout.split() == expected, result.stderr[-3000:]
+
+
+def run_read_only(directory: Path, *arguments: str) -> subprocess.CompletedProcess:
+    """`vaswani-transformer ARGUMENTS` in a process of its own that cannot write into `directory`.
+
+    Root writes through permission bits: as root, the process runs in a mount namespace of its own where
+    `directory` is a read-only bind mount (EROFS, as on a read-only volume); else `directory` and its files
+    are made read-only (EACCES) while it runs.
+    """
+    command = [sys.executable, "-m", "vaswani_transformer.cli", *arguments]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if os.geteuid() == 0:
+        mount = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+        command = ["unshare", "--mount", "sh", "-c", mount, directory, *command]
+        return subprocess.run(command, env=env, capture_output=True, text=True)
+    paths = [directory, *directory.rglob("*")]
+    for path in paths:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True)
+    finally:
+        for path in paths:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_evaluate_refuses_a_model_card_it_cannot_write_before_translating(trained_model_dir, multi30k_dir, tmp_path):
+    model = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints"))
+    for lang in ("en", "de"):
+        lines = (multi30k_dir / f"test_2016_flickr.{lang}").read_text().splitlines()[:8]
+        (tmp_path / f"test.{lang}").write_text("\n".join(lines) + "\n")
+    files = ["--source", str(tmp_path / "test.en"), "--reference", str(tmp_path / "test.de")]
+    output = tmp_path / "hypotheses.de"
+    result = run_read_only(model, "evaluate", "--model", str(model), *files, "--output", str(output))
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("vaswani-transformer evaluate: error: ") and "Traceback" not in result.stderr
+    assert str(model / "README.md") in error and "--no-model-card" in error
+    assert not output.exists()  # refused before the test set was translated
+    result = run_read_only(model, "evaluate", "--model", str(model), *files, "--no-model-card")
+    assert result.returncode == 0 and json.loads(result.stdout.splitlines()[-1])["sentences"] == 8, result.stderr
+
+
+def test_the_ctranslate2_engine_names_its_option_where_the_model_directory_is_read_only(trained_model_dir, tmp_path):
+    pytest.importorskip("ctranslate2")
+    model = shutil.copytree(
+        trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints", "ctranslate2")
+    )
+    (tmp_path / "in.en").write_text("A dog runs.\n")
+    arguments = ["translate", "--model", str(model), "--input", str(tmp_path / "in.en"), "--engine", "ctranslate2"]
+    result = run_read_only(model, *arguments)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("vaswani-transformer translate: error: ") and "--ctranslate2-dir" in error
+    result = run_read_only(model, *arguments, "--ctranslate2-dir", str(tmp_path / "ct2"))
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+    assert (tmp_path / "ct2" / "model.bin").is_file()
+
+
+def test_evaluate_refuses_to_write_its_translations_over_the_models_files(trained_model_dir, tmp_path, capsys):
+    model = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints"))
+    (tmp_path / "test.en").write_text("A dog runs.\n")
+    (tmp_path / "test.de").write_text("Ein Hund rennt.\n")
+    (tmp_path / "linked.json").hardlink_to(model / "config.json")
+    config = (model / "config.json").read_text()
+    files = ["--source", str(tmp_path / "test.en"), "--reference", str(tmp_path / "test.de"), "--no-model-card"]
+    for output in (model / "config.json", model / "hypotheses.de", tmp_path / "linked.json"):
+        assert main(["evaluate", "--model", str(model), *files, "--output", str(output)]) == 2
+        error = capsys.readouterr().err
+        assert f"--output {output} is in the model directory" in error and error.count("\n") == 1, error
+    assert (model / "config.json").read_text() == config and not (model / "hypotheses.de").exists()
+
+
+def test_translate_counts_sentences_translated_and_ends_its_bar_before_an_error(trained_model_dir, tmp_path, capsys):
+    source = tmp_path / "input.en"
+    source.write_text(f"{SENTENCE}\n" * 6)
+    options = ["--model", str(trained_model_dir), "--input", str(source), "--batch-size", "4"]
+    assert main(["translate", *options]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 6
+    # The bar knows the total from the start, so it gives the time left, and counts sentences translated.
+    bar = err.split("\n")[-2].split("\r")[-1]
+    assert re.match(r"Translating: 100%.* 6/6 \[[0-9:]+<00:00, +[0-9.]+(s/sent|sent/s)\]$", bar), err
+    # An error after the first batch (a line over the model's limit) comes on a line of its own, not after the bar.
+    source.write_text(f"{SENTENCE}\n" * 5 + " ".join([SENTENCE] * 80) + "\n")
+    assert main(["translate", *options, "--long-inputs", "error"]) == 2
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 4
+    lines = [line.split("\r")[-1] for line in err.split("\n")]
+    assert re.match(r"Translating: .* 4/6 ", lines[-3]) and lines[-2].startswith(
+        "vaswani-transformer translate: error:"
+    )

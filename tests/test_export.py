@@ -242,3 +242,21 @@ def test_the_engine_reads_and_writes_within_the_position_table_of_its_export(tra
     # A table of 12 positions, where the default's 1,024 would have let CTranslate2 read and write past it.
     assert max(map(len, tokens)) <= 12 and options["max_input_length"] <= 12
     assert options["max_decoding_length"] <= 12 and max(map(len, hypotheses)) <= 12
+
+
+def test_the_export_of_a_hub_model_is_cached_outside_the_hubs_own_cache(trained_model_dir, tmp_path):
+    # The Hub's cache (`hf cache`) holds a repository's files and nothing else: the export has a cache of its own.
+    from hub_server import LocalHub
+    from test_hub import TOKEN, run_client
+
+    (tmp_path / "in.en").write_text("A dog runs.\n")
+    home = tmp_path / "home"
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
+        model = hub.repo_dir("org/translator")
+        shutil.copytree(trained_model_dir, model, ignore=shutil.ignore_patterns("checkpoints", "ctranslate2"))
+        arguments = ["--model", "org/translator", "--input", str(tmp_path / "in.en"), "--engine", "ctranslate2"]
+        result = run_client(hub, home, "-m", "vaswani_transformer.cli", "translate", *arguments)
+    assert result.stdout.strip() and not hub.errors
+    (snapshot,) = (home / "hub" / "models--org--translator" / "snapshots").iterdir()
+    assert (snapshot / "model.safetensors").is_file() and not (snapshot / "ctranslate2").exists()
+    assert (home / "vaswani_transformer" / "ctranslate2" / f"org--translator--{snapshot.name}" / "model.bin").is_file()

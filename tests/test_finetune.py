@@ -1,6 +1,7 @@
 """scripts/finetune.py: fine-tuning a trained model with transformers' Seq2SeqTrainer."""
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,26 @@ def test_gradient_accumulation_gives_the_update_of_one_bigger_batch(
         updated.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
     for name, parameter in updated[0].items():
         torch.testing.assert_close(updated[1][name], parameter, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_finetuning_warns_of_nothing_and_leaves_the_generation_config_as_it_was(
+    build_trainer, trained_model_dir, new_corpus, tmp_path, caplog
+):
+    # Evaluation batches used to warn that both max_new_tokens and max_length were set (the Trainer filled in the
+    # latter), and loading the best checkpoint that the tied copies of the shared embedding were missing.
+    trainer = build_trainer(
+        str(trained_model_dir), str(new_corpus), "en", "de", str(tmp_path / "run"),
+        max_steps=2, learning_rate=1e-3, warmup_steps=0, per_device_train_batch_size=16,
+        per_device_eval_batch_size=16, eval_steps=2, save_steps=2, seed=0,
+    )  # fmt: skip
+    generation = trainer.model.generation_config.to_dict()
+    transformers_logger = logging.getLogger("transformers")  # which has a handler of its own, not the root's
+    transformers_logger.addHandler(caplog.handler)
+    try:
+        trainer.train()
+    finally:
+        transformers_logger.removeHandler(caplog.handler)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert not [w for w in warnings if "max_new_tokens" in w or "missing keys" in w], warnings
+    assert trainer.model.generation_config.to_dict() == generation  # as it is saved with the fine-tuned model
+    assert trainer.model.lm_head.weight is trainer.model.model.shared.weight  # tied (§3.4), in the best model too

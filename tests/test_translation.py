@@ -1,7 +1,10 @@
 """Translating with a trained model and choosing its decoding on a development set (§6.1)."""
 
+import importlib.util
+import logging
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -9,7 +12,9 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 import torch
 from conftest import needs_fork, tag_with_process
+from test_checkpoints import Exploit
 
+from vaswani_transformer.cli import main
 from vaswani_transformer.translation import (
     choose_decoding,
     corpus_bleu,
@@ -215,3 +220,42 @@ def test_map_in_workers_refuses_where_it_cannot_fork_at_the_call(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(ValueError, match="darwin cannot do safely"):
         map_in_workers(abs, [1], 2)
+
+
+def test_non_blank_sentences_translated_to_nothing_are_counted_in_one_warning_per_call(
+    trained_model_dir, corpus, caplog
+):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sources = corpus["test_2016_flickr"]["en"][:5]
+    sources = [*sources[:2], "", *sources[2:]]  # a blank line translates to a blank line, and is no such case
+    caplog.set_level(logging.WARNING, logger="vaswani_transformer.translation")
+    assert all(translate(model, tokenizer, sources[:2])) and not caplog.records  # the model's own decoding
+    # A length penalty far below 0 favours the shortest hypotheses: beam search ends sentences at once.
+    translations = translate(model, tokenizer, sources, 2, length_penalty=-100.0)
+    empty = [number for number, (s, t) in enumerate(zip(sources, translations, strict=True), 1) if s and not t]
+    assert len(empty) > 1  # the penalty must empty some for the check to mean anything
+    expected = (
+        f"{len(empty)} of 5 non-blank sentences translated to an empty string (sentence {', '.join(map(str, empty))})"
+    )
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == [expected]
+    caplog.clear()
+    assert list(translate_stream(model, tokenizer, sources, 2, length_penalty=-100.0)) == translations
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == [expected]
+
+
+def test_pytorch_weights_that_would_run_code_are_refused_in_one_line(trained_model_dir, tmp_path, capsys):
+    # torch refuses the pickle (weights_only); what matters here is that the user reads one line, not 20.
+    model = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints"))
+    marker = tmp_path / "exploited"
+    (model / "model.safetensors").unlink()
+    torch.save({"model.shared.weight": Exploit(marker)}, model / "pytorch_model.bin")
+    with pytest.raises(OSError, match=r"pytorch_model\*\.bin\) are a pickle of more than tensors"):
+        load_translator(str(model), "cpu")
+    (tmp_path / "in.en").write_text("A dog runs.\n")
+    engines = ["torch"] + (["ctranslate2"] if importlib.util.find_spec("ctranslate2") else [])
+    for engine in engines:
+        arguments = ["--model", str(model), "--input", str(tmp_path / "in.en"), "--engine", engine]
+        assert main(["translate", *arguments, "--ctranslate2-dir", str(tmp_path / "ct2")]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "model.safetensors, from a source you trust" in err, err
+    assert not marker.exists()

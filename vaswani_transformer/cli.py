@@ -2,6 +2,8 @@
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
+Torch and transformers are imported only by the command that runs, and by the options of the command
+given (their defaults live beside the code that uses them): `vaswani-transformer --help` needs neither.
 """
 
 import argparse
@@ -9,21 +11,16 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import BrokenExecutor
 from dataclasses import MISSING, fields
 from pathlib import Path
 from types import UnionType
 from typing import get_args, get_origin
-
-from .convert import DEFAULT_MAX_POSITIONS
-from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty
-from .hub import COMMIT_MESSAGE
-from .serving_config import BATCH_SIZE, ENGINES, LONG_INPUTS, ServingConfig
-from .training_config import TrainingConfig
 
 
 def _model_option(text: str) -> tuple[str, object]:
@@ -43,6 +40,8 @@ DEVICE_HELP = (
 
 
 def _length_penalty(text: str) -> float:
+    from .generation_vaswani import check_length_penalty
+
     try:
         return check_length_penalty(float(text))
     except ValueError:
@@ -50,6 +49,8 @@ def _length_penalty(text: str) -> float:
 
 
 def _add_beam_options(parser: argparse.ArgumentParser) -> None:
+    from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS
+
     parser.add_argument(
         "--num-beams",
         type=int,
@@ -68,6 +69,8 @@ def _add_beam_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    from .serving_config import BATCH_SIZE, LONG_INPUTS
+
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -95,15 +98,20 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    from .serving_config import ENGINES
+
     parser.add_argument(
         "--engine",
         choices=ENGINES,
         default=ENGINES[0],
         help="torch: the model's generate(); ctranslate2: its CTranslate2 export (nearly always the same "
-        f"translations), made on first use in MODEL/ctranslate2/ (default: {ENGINES[0]})",
+        f"translations), made on first use (see --ctranslate2-dir) (default: {ENGINES[0]})",
     )
     parser.add_argument(
-        "--ctranslate2-dir", default=None, help="where the CTranslate2 export lives (default: MODEL/ctranslate2)"
+        "--ctranslate2-dir",
+        default=None,
+        help="where the CTranslate2 export lives (default: MODEL/ctranslate2; for a Hub id "
+        "$HF_HOME/vaswani_transformer/ctranslate2/ORG--NAME--COMMIT)",
     )
 
 
@@ -143,6 +151,8 @@ def _add_config_options(parser: argparse.ArgumentParser, config_class: type, gro
 
 
 def _add_training_options(train: argparse.ArgumentParser) -> None:
+    from .training_config import TrainingConfig
+
     # The corpus options, which fill `TrainingConfig.data` and `files`, come first.
     corpus = train.add_argument_group("corpus")
     corpus.add_argument(
@@ -155,24 +165,7 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
     _add_config_options(train, TrainingConfig, {"corpus": corpus})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `vaswani-transformer` and its subcommands.
-
-    The options of `train` are generated from the fields of `TrainingConfig` (their help, type and
-    default), and `serve`'s server options from those of `ServingConfig`; the rest are written here.
-
-    See README.md, "Command line".
-    """
-    parser = argparse.ArgumentParser(
-        prog="vaswani-transformer",
-        description="Train, evaluate and run the Transformer of 'Attention Is All You Need'.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    train = commands.add_parser("train", help="train a translator on a parallel corpus (§5)")
-    _add_training_options(train)
-
-    evaluate = commands.add_parser("evaluate", help="translate a test set and report sacreBLEU")
+def _add_evaluate_options(evaluate: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--model", required=True, help="model directory or Hub id")
     evaluate.add_argument("--source", required=True, help="source sentences, one per line")
     evaluate.add_argument("--reference", required=True, help="reference translations, aligned by line")
@@ -189,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_decoding_options(evaluate)
 
-    translate = commands.add_parser("translate", help="translate lines from a file or stdin to stdout")
+
+def _add_translate_options(translate: argparse.ArgumentParser) -> None:
     translate.add_argument("--model", required=True, help="model directory or Hub id")
     translate.add_argument("--input", default="-", help="file of sentences, one per line; - for stdin (default)")
     translate.add_argument(
@@ -200,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_options(translate)
     _add_engine_options(translate)
 
-    push = commands.add_parser("push", help="upload a trained model directory to the Hugging Face Hub")
+
+def _add_push_options(push: argparse.ArgumentParser) -> None:
+    from .hub import COMMIT_MESSAGE
+
     push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
     push.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
     push.add_argument(
@@ -208,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     push.add_argument("--commit-message", default=COMMIT_MESSAGE, help="commit message (default: %(default)s)")
 
-    average = commands.add_parser("average", help="average a run's last checkpoints into a model (§6.1)")
+
+def _add_average_options(average: argparse.ArgumentParser) -> None:
     average.add_argument("run_dir", metavar="OUTPUT_DIR", help="output directory of `train` (with checkpoints/)")
     average.add_argument(
         "--last", type=int, required=True, help="number of newest checkpoints to average (paper: 5 base, 20 big)"
@@ -217,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default=None, help="where to write the averaged model (default: OUTPUT_DIR itself)"
     )
 
-    convert = commands.add_parser("convert-marian", help="import a Hugging Face MarianMTModel directory (OPUS-MT)")
+
+def _add_convert_options(convert: argparse.ArgumentParser) -> None:
     convert.add_argument("source_dir", metavar="SRC_DIR", help="directory saved by MarianMTModel.save_pretrained")
     convert.add_argument("output_dir", metavar="OUT_DIR", help="where to write the converted model")
     convert.add_argument(
@@ -226,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode as the paper does (beam 4, GNMT length penalty 0.6, input length + 50) instead of as Marian did",
     )
 
-    export = commands.add_parser("export-ctranslate2", help="convert a saved model to CTranslate2 for serving")
+
+def _add_export_options(export: argparse.ArgumentParser) -> None:
+    from .convert import DEFAULT_MAX_POSITIONS
+
     export.add_argument("model_dir", metavar="MODEL_DIR", help="model directory with its tokenizer, as `train` writes")
     export.add_argument("output_dir", metavar="OUT_DIR", help="where to write the CTranslate2 model")
     export.add_argument(
@@ -243,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
 
-    serve = commands.add_parser(
-        "serve", help="serve a translator over HTTP: the LibreTranslate API and a page at / (the `serve` extra)"
-    )
+
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    from .serving_config import ServingConfig
+
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
     _add_engine_options(serve)
     _add_beam_options(serve)
@@ -253,6 +256,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
     _add_config_options(serve, ServingConfig, {})
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of `vaswani-transformer` and its subcommands.
+
+    The options of `train` are generated from the fields of `TrainingConfig` (their help, type and
+    default), and `serve`'s server options from those of `ServingConfig`; the rest are written here.
+
+    See README.md, "Command line".
+
+    Args:
+        commands: the commands whose options to add (their defaults import torch); None for all. The
+            others are listed, with their help line, and take no options.
+    """
+    parser = argparse.ArgumentParser(
+        prog="vaswani-transformer",
+        description="Train, evaluate and run the Transformer of 'Attention Is All You Need'.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_line, add_options, _) in COMMANDS.items():
+        command = subparsers.add_parser(name, help=help_line)
+        if commands is None or name in commands:
+            add_options(command)
     return parser
 
 
@@ -260,6 +286,7 @@ def _train(args: argparse.Namespace) -> None:
     from .data import corpus_location
     from .hub import ensure_writable
     from .training import train
+    from .training_config import TrainingConfig
 
     files = {}
     if args.train_files:
@@ -276,7 +303,19 @@ def _train(args: argparse.Namespace) -> None:
     print(train(config))
 
 
+def _train_interrupted(output_dir: str) -> str:
+    # What Ctrl-C in `train` leaves, and how to go on: KeyboardInterrupt's traceback says neither.
+    from .checkpoints import list_checkpoints
+
+    saved = list_checkpoints(Path(output_dir) / "checkpoints")
+    if not saved:
+        return "interrupted before its first checkpoint: run the same command again to start over."
+    return f"interrupted; the last checkpoint is {saved[-1]}: run the same command with --resume to continue from it."
+
+
 def _batch_size(args: argparse.Namespace) -> int:
+    from .serving_config import BATCH_SIZE
+
     if args.batch_size is not None:
         return args.batch_size
     interactive = getattr(args, "input", None) == "-" and sys.stdin.isatty()
@@ -307,8 +346,22 @@ def _evaluate(args: argparse.Namespace) -> None:
                     f"--output {args.output} is the {option} file: the translations would overwrite it. "
                     "Name another file."
                 )
+        _refuse_a_file_of_the_model(args.output, args.model)
         ensure_writable(args.output, is_file=True)
     model, tokenizer = load_translator(args.model, args.device)
+    own = model.generation_config
+    other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
+    record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
+    unnamed = not Path(args.source).is_file() and not (args.dataset_name and args.split)  # a pipe names no test set
+    card = Path(args.model) / "README.md"
+    if record and not other_decoding and not unnamed:  # before the translations, not after them
+        try:
+            ensure_writable(card, is_file=True)
+        except OSError as error:
+            raise OSError(
+                f"the score goes into the model card {card}, which cannot be written "
+                f"({getattr(error.__cause__, 'strerror', None) or error}): pass --no-model-card, or fix the permissions"
+            ) from error
     hypotheses = translate(
         model, tokenizer, sources, _batch_size(args), True, args.long_inputs, args.num_workers, **_generate_kwargs(args)
     )
@@ -320,10 +373,6 @@ def _evaluate(args: argparse.Namespace) -> None:
     report = {"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}
     report.update(bleu_lowercased=round(lowercased["score"], 2), signature_lowercased=lowercased["signature"])
     print(json.dumps(report))
-    own = model.generation_config
-    other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
-    record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
-    unnamed = not Path(args.source).is_file() and not (args.dataset_name and args.split)  # a pipe names no test set
     if record and other_decoding:
         print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
     elif record and unnamed:
@@ -351,8 +400,25 @@ def _evaluate(args: argparse.Namespace) -> None:
         write_model_card(args.model, eval_result=result)
 
 
+def _refuse_a_file_of_the_model(output: str, model: str) -> None:
+    # The translations must not replace a file of a local model (its config.json, say), by name or through a link.
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        return
+    inside = model_dir.resolve() in Path(output).resolve().parents
+    if inside or (
+        Path(output).is_file()
+        and any(os.path.samefile(output, file) for file in model_dir.rglob("*") if file.is_file())
+    ):
+        raise ValueError(
+            f"--output {output} is in the model directory {model} (or a link to one of its files): the translations "
+            "could overwrite the model. Name a file outside it."
+        )
+
+
 def _translate(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .data import iter_lines
     from .hub import ensure_writable
@@ -371,6 +437,10 @@ def _translate(args: argparse.Namespace) -> None:
             "use it with --input FILE or piped input, or leave it at 1 in a terminal."
         )
     lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
+    total = None
+    if args.input != "-" and Path(args.input).is_file():  # a pipe (`<(...)`) cannot be read twice
+        with open(args.input, "rb") as handle:
+            total = sum(1 for _ in handle)  # lines as iter_lines counts them
     if args.engine == "ctranslate2":
         from .export import load_ctranslate2_engine
 
@@ -392,18 +462,23 @@ def _translate(args: argparse.Namespace) -> None:
             sources.append(line.rstrip("\n"))
             yield line
 
-    # A progress bar (on stderr) for files; stdin is answered line by line without one.
-    lines = tqdm(lines, unit="line", desc="Translating", disable=args.input == "-")
     stream = translate_stream(
         model, tokenizer, remembered(lines), _batch_size(args), args.long_inputs, args.num_workers, **generate_kwargs
     )
-    for number, translation in enumerate(stream, 1):
-        print(translation, flush=True)
-        source = sources.popleft()
-        if args.attention_dir and source.strip():
-            output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
-            path = Path(args.attention_dir) / f"sentence-{number}.png"
-            plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
+    # A progress bar (on stderr) for files, in sentences translated, with the time left; stdin is answered line by
+    # line without one. Log records are written above the bar, and it ends its line before an error is printed.
+    with (
+        logging_redirect_tqdm([logging.root, logging.getLogger("transformers")]),
+        tqdm(total=total, unit="sent", desc="Translating", disable=args.input == "-") as progress,
+    ):
+        for number, translation in enumerate(stream, 1):
+            print(translation, flush=True)
+            progress.update()
+            source = sources.popleft()
+            if args.attention_dir and source.strip():
+                output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
+                path = Path(args.attention_dir) / f"sentence-{number}.png"
+                plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
 
 
 def _push(args: argparse.Namespace) -> None:
@@ -446,11 +521,38 @@ def _export_ctranslate2(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from .serving_config import ServingConfig
+
     config = ServingConfig(**{name: getattr(args, name) for name in _option_names(ServingConfig)})
     from .serving import serve
 
     loading = ("engine", "device", "num_beams", "length_penalty", "source_lang", "target_lang", "ctranslate2_dir")
     serve(args.model, config, **{name: getattr(args, name) for name in loading})
+
+
+# Each command: its line in `--help`, the function that adds its options, and the one that runs it.
+COMMANDS = {
+    "train": ("train a translator on a parallel corpus (§5)", _add_training_options, _train),
+    "evaluate": ("translate a test set and report sacreBLEU", _add_evaluate_options, _evaluate),
+    "translate": ("translate lines from a file or stdin to stdout", _add_translate_options, _translate),
+    "push": ("upload a trained model directory to the Hugging Face Hub", _add_push_options, _push),
+    "average": ("average a run's last checkpoints into a model (§6.1)", _add_average_options, _average),
+    "convert-marian": (
+        "import a Hugging Face MarianMTModel directory (OPUS-MT)",
+        _add_convert_options,
+        _convert_marian,
+    ),
+    "export-ctranslate2": (
+        "convert a saved model to CTranslate2 for serving",
+        _add_export_options,
+        _export_ctranslate2,
+    ),
+    "serve": (
+        "serve a translator over HTTP: the LibreTranslate API and a page at / (the `serve` extra)",
+        _add_serve_options,
+        _serve,
+    ),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -462,24 +564,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0; 141 (128 + SIGPIPE), quietly, when the reader of the output has gone; or
+        The exit status: 0; 141 (128 + SIGPIPE), quietly, when the reader of the output has gone; 130
+        (128 + SIGINT) after one line saying how to resume, when Ctrl-C stops `train`; or
         2 after one line on stderr for an expected failure (a ValueError,
         OSError, MemoryError or BrokenExecutor, or the ImportError of an optional dependency not
         installed: a bad path or value, a full device, a missing extra, a worker of `--num-workers`
         killed). Invalid options exit with
         status 2 through argparse (SystemExit).
     """
-    args = build_parser().parse_args(argv)
-    command = {
-        "train": _train,
-        "evaluate": _evaluate,
-        "translate": _translate,
-        "push": _push,
-        "average": _average,
-        "convert-marian": _convert_marian,
-        "export-ctranslate2": _export_ctranslate2,
-        "serve": _serve,
-    }[args.command]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top level takes no option but --help: the first other word names the command, the one parser to build.
+    args = build_parser([word for word in argv if not word.startswith("-")][:1]).parse_args(argv)
+    command = COMMANDS[args.command][2]
     try:
         command(args)
     except BrokenPipeError:
@@ -495,6 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.command != "train":
+            raise
+        print(f"vaswani-transformer train: {_train_interrupted(args.output_dir)}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -26,6 +26,7 @@ ranks CTranslate2's finished hypotheses by it instead, so that it nearly always 
 import hashlib
 import json
 import logging
+import pickle
 import shutil
 import tempfile
 import threading
@@ -46,6 +47,15 @@ EXPORT_SETTINGS_NAME = "vaswani_export.json"
 # CTranslate2's loaders are registered in one table for the whole process, and ours carries the position table's
 # size of the export in progress: exports from several threads take turns.
 _EXPORT_LOCK = threading.Lock()
+
+
+def _pickled_code_refused(model: str | Path) -> OSError:
+    # torch.load(weights_only=True), which transformers loads PyTorch weights with, refuses a pickle of anything but
+    # tensors (code to run, say) in a message of 20 lines: one is enough.
+    return OSError(
+        f"{model}: its PyTorch weights (pytorch_model*.bin) are a pickle of more than tensors, which could run code: "
+        "refused, nothing in it was run; use weights saved as model.safetensors, from a source you trust"
+    )
 
 
 def _import_ctranslate2():
@@ -128,7 +138,8 @@ def export_ctranslate2(
 
     Raises:
         ImportError: ctranslate2 is not installed.
-        OSError: `model_dir` holds no model or no tokenizer.
+        OSError: `model_dir` holds no model or no tokenizer, or PyTorch weights that are a pickle of more than
+            tensors.
         ValueError: the model uses an option CTranslate2's Marian format cannot express (see
             `convert.to_marian`), `output_dir` exists and `force` is False, `output_dir` is or holds
             `model_dir` or holds something other than an export, or `max_positions` is below 1.
@@ -153,7 +164,10 @@ def export_ctranslate2(
     with _EXPORT_LOCK:
         _register_loader(max_positions)
         converter = ct2.TransformersConverter(str(model_dir))
-        exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
+        try:
+            exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
+        except pickle.UnpicklingError as error:
+            raise _pickled_code_refused(model_dir) from error
     (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps(settings) + "\n")
     return exported
 
@@ -286,7 +300,9 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
 
     Args:
         model: a model directory, or a Hub id (downloaded with `snapshot_download`).
-        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`, and for a Hub id
+            `HF_HOME/vaswani_transformer/ctranslate2/ORG--NAME--COMMIT/` (`HF_HOME` is huggingface_hub's,
+            `~/.cache/huggingface` unless set): the Hub's cache holds the repository's files alone.
 
     Returns:
         The export's directory.
@@ -296,7 +312,8 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
         ValueError: `ct2_dir` exists and holds something other than a CTranslate2 model, or, given
             explicitly, an export of other weights (it is never overwritten then), or from
             `export_ctranslate2`.
-        OSError: `model` is a local path that does not exist, or from `export_ctranslate2`.
+        OSError: `model` is a local path that does not exist, the export's directory cannot be written (read-only,
+            say; the message names `--ctranslate2-dir`), or from `export_ctranslate2`.
 
     An export is reused while the weights it was made from (their SHA-256, recorded beside it) are
     the model's; in the default place, an export of other weights, or one that predates the record,
@@ -305,11 +322,18 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
     check_model_exists(model)
     if Path(model).is_dir():
         local = Path(model)
+        default = local / "ctranslate2"
     else:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
 
-        local = Path(snapshot_download(model))
-    target = Path(ct2_dir) if ct2_dir else local / "ctranslate2"
+        local = Path(snapshot_download(model))  # .../snapshots/COMMIT
+        default = (
+            Path(constants.HF_HOME)
+            / "vaswani_transformer"
+            / "ctranslate2"
+            / f"{model.replace('/', '--')}--{local.name}"
+        )
+    target = Path(ct2_dir) if ct2_dir else default
     digest = _weights_digest(local)
     if _made_from(target, digest):
         return target
@@ -320,10 +344,16 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
             f"replace it with `vaswani-transformer export-ctranslate2 {model} {target} --force`, or give another "
             "--ctranslate2-dir."
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Into a private directory first, so that a process that dies half-way leaves no half export behind, and
     # two exports at once (threads or processes) never write into one.
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as error:
+        raise OSError(
+            f"cannot write the CTranslate2 export of {model} into {target.parent} ({error.strerror or error}): give a "
+            "writable directory for it with --ctranslate2-dir (ct2_dir=)"
+        ) from error
     try:
         export_ctranslate2(local, partial, force=True)
         if not _made_from(target, digest):  # else another export of these weights finished first: keep it
@@ -353,7 +383,7 @@ def load_ctranslate2_engine(
         model: a model directory or Hub id.
         device: "cpu" (default) or "cuda".
         num_beams: beam size; default the model's generation config (4, §6.1).
-        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/`.
+        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/` (for a Hub id, see `ctranslate2_export`).
         length_penalty: alpha (§6.1) in the generation config's form; default the config's.
 
     Raises:

@@ -18,17 +18,16 @@ from tqdm.auto import tqdm
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
-from .export import CTranslate2Engine
+from .compat_vaswani import VERY_LARGE_INTEGER
+from .export import CTranslate2Engine, _pickled_code_refused
 from .generation_vaswani import check_num_beams
 from .hub import check_model_exists
 from .serving_config import BATCH_SIZE, LONG_INPUTS
-from .tokenization import tokenizer_lock
+from .tokenization import check_tokenizer_matches, tokenizer_lock
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 logger = logging.getLogger(__name__)
@@ -44,8 +43,8 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
         device: "cpu", "cuda", "cuda:1", ...; None picks CUDA when available.
 
     Raises:
-        OSError: the directory does not exist or holds no tokenizer, its weights file is damaged,
-            or neither a directory nor the Hub holds such a model.
+        OSError: the directory does not exist or holds no tokenizer, its weights file is damaged or a pickle of
+            more than tensors (refused, never run), or neither a directory nor the Hub holds such a model.
         ValueError: `device` is no torch device or CUDA on a machine without it, `config.json` holds impossible values
             (from `VaswaniConfig`), or the tokenizer does not match the model (see `check_tokenizer_matches`).
     """
@@ -67,6 +66,8 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
         model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     except SafetensorError as error:
         raise OSError(f"{model_dir}: model.safetensors is damaged ({error}); copy or download it again.") from error
+    except pickle.UnpicklingError as error:
+        raise _pickled_code_refused(model_dir) from error
     except OSError as error:
         if local.is_dir():
             raise
@@ -76,40 +77,6 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
         ) from error
     check_tokenizer_matches(model.config, tokenizer, model_dir)
     return model.to(device).eval(), tokenizer
-
-
-def check_tokenizer_matches(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, where: str = "") -> None:
-    """Refuse a tokenizer that would feed the model ids it has no embedding for, or special tokens it does not know.
-
-    A tokenizer with more tokens than `config.vocab_size` makes the embedding lookup fail on the
-    first id beyond it (on GPUs as a device-side assert); special ids that disagree with the
-    config make the model pad, start or stop on the wrong token, silently.
-
-    See docs/robustness.md, "Bad input".
-
-    Args:
-        config: the model's configuration (`vocab_size`, `pad_token_id`, `bos_token_id`, `eos_token_id`).
-        tokenizer: the tokenizer to check.
-        where: the model's directory or Hub id, for the message.
-
-    Raises:
-        ValueError: the tokenizer has more tokens than `config.vocab_size`, or one of its pad, bos
-            or eos ids differs from the config's (ids that either side leaves unset are not compared).
-    """
-    where = f" in {where}" if where else ""
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(
-            f"The tokenizer{where} has {len(tokenizer)} tokens but the model has embeddings for "
-            f"config.vocab_size={config.vocab_size}: use the tokenizer the model was trained with, or call "
-            "model.resize_token_embeddings(len(tokenizer)) and fine-tune."
-        )
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        tokenizer_id, config_id = getattr(tokenizer, name), getattr(config, name, None)
-        if tokenizer_id is not None and config_id is not None and tokenizer_id != config_id:
-            raise ValueError(
-                f"The tokenizer{where} has {name}={tokenizer_id} but the model's config has {name}={config_id}: "
-                "use the tokenizer the model was trained with, or correct config.json and generation_config.json."
-            )
 
 
 def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:
@@ -322,6 +289,24 @@ class _Translator:
         return translations
 
 
+def _empty_translations(sentences: list[str], translations: list[str], first_number: int = 1) -> list[int]:
+    # The numbers (1-based, from `first_number`) of the non-blank sentences whose translation is empty.
+    pairs = zip(sentences, translations, strict=True)
+    return [first_number + i for i, (sentence, translation) in enumerate(pairs) if sentence.strip() and not translation]
+
+
+def _warn_of_empty_translations(numbers: list[int], non_blank: int) -> None:
+    # Beam search can end a sentence at its first step ("Two <script>alert(2)</script> men." on the main job's
+    # model): an empty line among the output is easy to miss, so each call says how many, once.
+    if numbers:
+        shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+        logger.warning(
+            f"{len(numbers)} of {non_blank} non-blank sentences translated to an empty string (sentence {shown}): "
+            "the model ended them at once; check those sources, or decode with a larger length penalty "
+            "(--length-penalty, length_penalty=), which favours longer outputs."
+        )
+
+
 def translate(
     model: PreTrainedModel | CTranslate2Engine,
     tokenizer: PreTrainedTokenizerBase,
@@ -353,7 +338,8 @@ def translate(
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
-        One translation per sentence, detokenized, in the input's order.
+        One translation per sentence, detokenized, in the input's order. Non-blank sentences that translate to an
+        empty string are counted in one warning (logged) per call.
 
     Raises:
         TypeError: `sentences` is one string, not a list of them.
@@ -367,7 +353,9 @@ def translate(
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
     translator.check_lengths(sentences, first_number=1)
     with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
-        return translator.translate(sentences, num_workers, bar)
+        translations = translator.translate(sentences, num_workers, bar)
+    _warn_of_empty_translations(_empty_translations(sentences, translations), sum(bool(s.strip()) for s in sentences))
+    return translations
 
 
 def translate_stream(
@@ -387,7 +375,8 @@ def translate_stream(
     trailing newline; an empty line gives an empty line, and no lines give no output. Arguments and
     errors are those of `translate` (sentence numbers count from the first line of the stream); a
     too-long line raises only when its batch is reached, and a line that is not UTF-8 when it is
-    read, both after the lines before them were yielded.
+    read, both after the lines before them were yielded. Non-blank lines that translate to an empty
+    string are counted in one warning when the stream ends.
 
     See docs/performance.md, "Translating in worker processes".
     """
@@ -395,6 +384,7 @@ def translate_stream(
         raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
     _check_num_workers(model, num_workers)
     translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
+    handed_out: deque[list[str]] = deque()  # the batches given to the workers, whose translations come back in order
 
     def checked_batches(lines: Iterator[str]) -> Iterator[list[str]]:
         first_number, unreadable = 1, None
@@ -408,13 +398,22 @@ def translate_stream(
             if not batch:
                 break
             translator.check_lengths(batch, first_number)
+            handed_out.append(batch)
             yield batch
             first_number += len(batch)
         if unreadable is not None:
             raise unreadable
 
-    for translations in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
-        yield from translations
+    empty, non_blank, first_number = [], 0, 1
+    try:
+        for translations in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
+            batch = handed_out.popleft()
+            empty += _empty_translations(batch, translations, first_number)
+            non_blank += sum(bool(line.strip()) for line in batch)
+            first_number += len(batch)
+            yield from translations
+    finally:  # also when the stream stops at an error, or its reader stops
+        _warn_of_empty_translations(empty, non_blank)
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False, tokenize: str = "13a") -> dict:
