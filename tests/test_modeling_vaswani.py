@@ -367,7 +367,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, test_sentenc
     for checkpointing in (False, True):
         model = random_model(tokenizer, seed=9, dropout=0.3).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            # Its name since transformers 5.2x; before, gradient_checkpointing_enable (deprecated since).
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         torch.manual_seed(1)  # the same dropout masks in both runs, and again in the recomputed forward pass
         model(**batch).loss.backward()
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})

@@ -73,6 +73,11 @@ def one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | Non
     return cache if cache is not None else past_key_values
 
 
+def cache_length(cache: Cache) -> int:
+    """The positions a cache holds: `Cache.get_seq_length()`, a tensor for static caches in some releases (5.4)."""
+    return int(cache.get_seq_length())
+
+
 def cache_field(cache: Cache | None) -> dict[str, Cache | None]:
     """Keyword arguments that put `cache` into an output dataclass under the running release's field name."""
     return {CACHE_NAME: cache}

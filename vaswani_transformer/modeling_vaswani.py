@@ -34,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .compat_vaswani import (
     OutputRecorder,
     cache_field,
+    cache_length,
     cache_of,
     capture_outputs,
     check_forward_kwargs,
@@ -517,7 +518,7 @@ class VaswaniDecoder(VaswaniStack):
         past_key_values = one_cache(cache, past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_length = cache_length(past_key_values) if past_key_values is not None else 0
         hidden_states = self.embeddings(input_ids, past_length)
         if input_ids.shape[1] == 1 and attention_mask is None and not getattr(past_key_values, "is_compileable", False):
             # One new position, which may attend to every earlier one, and a cache that holds only those (a static
