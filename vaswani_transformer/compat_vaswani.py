@@ -19,7 +19,7 @@ import transformers
 from packaging.version import Version
 
 # The oldest release the whole suite passes on, and the next major release, whose renames are not known yet.
-MINIMUM_TRANSFORMERS = "5.4.0"
+MINIMUM_TRANSFORMERS = "5.20.0"
 BELOW_TRANSFORMERS = "6"
 SUPPORTED_TRANSFORMERS = f">={MINIMUM_TRANSFORMERS},<{BELOW_TRANSFORMERS}"
 
