@@ -179,6 +179,27 @@ def run_without_package(code: str, *args: str, cwd: Path, python: str = sys.exec
     )  # fmt: skip
 
 
+_LOAD_EACH = """
+import json, sys
+from transformers import AutoModelForSeq2SeqLM
+refusals = []
+for path in sys.argv[1:]:
+    try:
+        AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+        refusals.append(None)
+    except ValueError as error:
+        refusals.append(str(error))
+print(json.dumps(refusals))
+"""
+
+
+def load_each_without_package(directories: list[Path], cwd: Path) -> tuple[list[str | None], str]:
+    """Load each saved model through its own code (no package): the `ValueError` message of each, or None; stderr."""
+    result = run_without_package(_LOAD_EACH, *map(str, directories), cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
 # Worker processes (`translation.map_in_workers`) are forked: Linux and other Unixes.
 needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes are forked: Linux and other Unixes")
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import random_model, run_without_package
+from conftest import load_each_without_package, random_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import logits_process
@@ -439,18 +439,6 @@ GENERATION_CONFIGS_THAT_CANNOT_DECODE = [
     ({"length_penalty_type": "wu"}, ["length_penalty_type", "'gnmt'", "'hf'"]),
     ({"max_length_b": "fifty"}, ["max_length_b", "a number of at least 0"]),
 ]
-LOAD_EACH = """
-import json, sys
-from transformers import AutoModelForSeq2SeqLM
-refusals = []
-for path in sys.argv[1:]:
-    try:
-        AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
-        refusals.append(None)
-    except ValueError as error:
-        refusals.append(str(error))
-print(json.dumps(refusals))
-"""
 
 
 def test_a_generation_config_json_that_cannot_decode_is_refused_at_load_naming_the_file(tmp_path):
@@ -463,9 +451,7 @@ def test_a_generation_config_json_that_cannot_decode_is_refused_at_load_naming_t
         saved = json.loads((directory / "generation_config.json").read_text())
         (directory / "generation_config.json").write_text(json.dumps({**saved, **changes}))
         directories.append(directory)
-    without_package = run_without_package(LOAD_EACH, *map(str, directories), cwd=tmp_path)
-    assert without_package.returncode == 0, without_package.stderr[-3000:]
-    refusals = json.loads(without_package.stdout.strip().splitlines()[-1])
+    refusals, stderr = load_each_without_package(directories, cwd=tmp_path)
     for directory, refused_remotely, (changes, names) in zip(
         directories, refusals, GENERATION_CONFIGS_THAT_CANNOT_DECODE, strict=True
     ):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from conftest import random_model, run_without_package, seq2seq_batch
+from conftest import load_each_without_package, random_model, seq2seq_batch
 from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
@@ -487,18 +487,6 @@ CONFIGS_THAT_DO_NOT_FIT = {
     "another d_ff": ({"d_ff": 128}, ["d_ff=128", "d_ff=64"]),
     "another vocab_size": ({"vocab_size": 120}, ["vocab_size=120", "vocab_size=100", "model.shared.weight"]),
 }
-LOAD_EACH = """
-import json, sys
-from transformers import AutoModelForSeq2SeqLM
-refusals = []
-for path in sys.argv[1:]:
-    try:
-        AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
-        refusals.append(None)
-    except ValueError as error:
-        refusals.append(str(error))
-print(json.dumps(refusals))
-"""
 
 
 def test_a_config_json_that_does_not_describe_the_weights_is_refused_in_one_line(tmp_path):
@@ -512,10 +500,8 @@ def test_a_config_json_that_does_not_describe_the_weights_is_refused_in_one_line
         config = json.loads((directory / "config.json").read_text())
         (directory / "config.json").write_text(json.dumps({**config, **changes}))
         directories.append(directory)
-    without_package = run_without_package(LOAD_EACH, *map(str, directories), cwd=tmp_path)
-    assert without_package.returncode == 0, without_package.stderr[-3000:]
-    assert "LOAD REPORT" not in without_package.stderr, "refused before transformers' report of what it would do"
-    refusals = json.loads(without_package.stdout.strip().splitlines()[-1])
+    refusals, stderr = load_each_without_package(directories, cwd=tmp_path)
+    assert "LOAD REPORT" not in stderr, "refused before transformers' report of what it would do"
     for directory, refused_remotely, (changes, names) in zip(
         directories, refusals, CONFIGS_THAT_DO_NOT_FIT.values(), strict=True
     ):
