@@ -433,14 +433,17 @@ def test_evaluate_refuses_to_write_its_translations_over_the_models_files(traine
     model = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints"))
     (tmp_path / "test.en").write_text("A dog runs.\n")
     (tmp_path / "test.de").write_text("Ein Hund rennt.\n")
-    (tmp_path / "linked.json").hardlink_to(model / "config.json")
+    (tmp_path / "linked.txt").hardlink_to(model / "config.json")
     config = (model / "config.json").read_text()
     files = ["--source", str(tmp_path / "test.en"), "--reference", str(tmp_path / "test.de"), "--no-model-card"]
-    for output in (model / "config.json", model / "hypotheses.de", tmp_path / "linked.json"):
+    for output in (model / "config.json", model / "new.json", tmp_path / "linked.txt"):
         assert main(["evaluate", "--model", str(model), *files, "--output", str(output)]) == 2
         error = capsys.readouterr().err
-        assert f"--output {output} is in the model directory" in error and error.count("\n") == 1, error
-    assert (model / "config.json").read_text() == config and not (model / "hypotheses.de").exists()
+        assert f"--output {output} is a file of the model" in error and error.count("\n") == 1, error
+    assert (model / "config.json").read_text() == config and not (model / "new.json").exists()
+    # A new file beside the model's, as the recipe writes each test set's translations, is no file of the model.
+    assert main(["evaluate", "--model", str(model), *files, "--output", str(model / "test.hyp.de")]) == 0
+    assert (model / "test.hyp.de").read_text().strip() and (model / "config.json").read_text() == config
 
 
 def test_translate_counts_sentences_translated_and_ends_its_bar_before_an_error(trained_model_dir, tmp_path, capsys):

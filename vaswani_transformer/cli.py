@@ -400,19 +400,34 @@ def _evaluate(args: argparse.Namespace) -> None:
         write_model_card(args.model, eval_result=result)
 
 
+# What loading a model reads and what training writes beside it. Translations may join a model's directory (the
+# recipe writes its test sets' there), but never replace or add one of these, by name or through a link.
+_MODEL_FILES = (
+    "*.json",
+    "*.jsonl",
+    "*.safetensors",
+    "*.bin",
+    "*.py",
+    "*.md",
+    "*.png",
+    "checkpoints/*",
+    "ctranslate2/*",
+)
+
+
 def _refuse_a_file_of_the_model(output: str, model: str) -> None:
-    # The translations must not replace a file of a local model (its config.json, say), by name or through a link.
-    model_dir = Path(model)
+    model_dir = Path(model).resolve()
     if not model_dir.is_dir():
         return
-    inside = model_dir.resolve() in Path(output).resolve().parents
-    if inside or (
-        Path(output).is_file()
-        and any(os.path.samefile(output, file) for file in model_dir.rglob("*") if file.is_file())
-    ):
+    target = Path(output).resolve()
+    named = model_dir in target.parents and any(target.relative_to(model_dir).match(p) for p in _MODEL_FILES)
+    linked = target.is_file() and any(
+        os.path.samefile(target, file) for pattern in _MODEL_FILES for file in model_dir.glob(pattern) if file.is_file()
+    )
+    if named or linked:
         raise ValueError(
-            f"--output {output} is in the model directory {model} (or a link to one of its files): the translations "
-            "could overwrite the model. Name a file outside it."
+            f"--output {output} is a file of the model in {model} ({', '.join(_MODEL_FILES)}), or a link to one: the "
+            "translations would overwrite the model. Name another file."
         )
 
 
