@@ -30,11 +30,11 @@ EOF
 
 newest=$(command -v python)
 echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"
-VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q "$@"
+VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q --durations=15 "$@"
 echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
 selection=("$@")
 [ $# -gt 0 ] || selection=(
     tests/test_configuration_vaswani.py tests/test_modeling_vaswani.py tests/test_generation_vaswani.py
     tests/test_pipeline_vaswani.py tests/test_compat_vaswani.py tests/test_finetune.py tests/test_hub.py
 )
-VASWANI_OTHER_END_PYTHON="$newest" "$oldest/bin/python" -m pytest -q "${selection[@]}"
+VASWANI_OTHER_END_PYTHON="$newest" "$oldest/bin/python" -m pytest -q --durations=15 "${selection[@]}"
