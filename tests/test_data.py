@@ -12,6 +12,9 @@ from vaswani_transformer.data import (
     load_parallel_corpus,
     tokenize_corpus,
 )
+from vaswani_transformer.training_config import TrainingConfig
+
+MAX_LENGTH = TrainingConfig.max_length  # the length `train` keeps by default
 
 
 def test_multi30k_directory_loads_every_split_aligned(corpus, multi30k_dir):
@@ -42,7 +45,7 @@ def test_missing_training_split_and_missing_files(tmp_path):
 
 
 def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_lengths(corpus, tokenizer):
-    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de")
+    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)
     source_lengths, target_lengths = lengths_of(tokenized["train"])
     sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=3)
     batches = list(sampler)
@@ -59,7 +62,7 @@ def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_len
 def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_budget(corpus, tokenizer):
     from transformers import DataCollatorForSeq2Seq
 
-    train = tokenize_corpus(corpus, tokenizer, "en", "de")["train"].select(range(3000))
+    train = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"].select(range(3000))
     sampler = TokenBatchSampler(*lengths_of(train), max_tokens=512, seed=0, pad_to_multiple_of=8)
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=8, return_tensors="pt")
     pairs = train.select_columns(["input_ids", "labels"])
@@ -70,7 +73,7 @@ def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_b
 
 @pytest.mark.parametrize("max_tokens", [2048, 4096])
 def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, tokenizer, max_tokens):
-    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["train"])
+    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"])
     sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=max_tokens, seed=1)
     batches = [np.array(b) for b in sampler]
     real = sum(int(source_lengths[b].sum() + target_lengths[b].sum()) for b in batches)
@@ -79,7 +82,7 @@ def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, t
 
 
 def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(corpus, tokenizer):
-    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["train"])
+    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"])
     whole = list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5))
     shards = [
         list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5, num_shards=3, shard_index=i))
@@ -94,7 +97,8 @@ def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(
 
 
 def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(corpus, tokenizer):
-    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de")["validation"])
+    validation = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["validation"]
+    source_lengths, target_lengths = lengths_of(validation)
     for processes in (2, 3, 8):
         shards = [
             list(

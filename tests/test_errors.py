@@ -20,8 +20,9 @@ from transformers import AutoConfig, AutoTokenizer
 from vaswani_transformer import VaswaniConfig
 from vaswani_transformer.cli import main
 from vaswani_transformer.data import iter_lines, load_parallel_corpus
+from vaswani_transformer.files import ensure_writable
 from vaswani_transformer.generation_vaswani import paper_generation_config
-from vaswani_transformer.hub import ensure_writable, save_translator
+from vaswani_transformer.hub import save_translator
 from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.training_config import TrainingConfig
 from vaswani_transformer.translation import (

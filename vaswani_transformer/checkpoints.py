@@ -24,15 +24,11 @@ A disk too full for a checkpoint stops the run in one line that says how much ro
 loads (§6.1).
 """
 
-import contextlib
-import errno
-import hashlib
 import json
 import logging
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +38,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from .configuration_vaswani import VaswaniConfig
-from .hub import ensure_writable, give_umask_mode, save_translator, write_model_card
+from .files import ensure_writable, give_umask_mode, sha256_file, write_text_atomically
+from .hub import save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
 logger = logging.getLogger(__name__)
@@ -153,34 +150,6 @@ def check_loaded_names(missing: list[str], unexpected: list[str], config: Vaswan
         raise CheckpointError(f"the weights do not match the model: missing {untied}, unexpected {unexpected}.")
 
 
-def read_log(log: Path) -> list[dict]:
-    """The records of a run's `training_log.jsonl`, up to the first that is not whole JSON.
-
-    A run killed while appending a record leaves half a line; it, and anything after it, is left
-    out with one warning, so that the run resumes (its checkpoint comes before that record).
-
-    See docs/training.md, "Training at scale, and runs that survive being killed".
-
-    Args:
-        log: a run's `training_log.jsonl`, one JSON record per line (step, losses, minutes, ...).
-
-    Returns:
-        The records, in order, as dicts.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    records = []
-    for number, line in enumerate(Path(log).read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("%s, line %d: not a whole record (a run killed while writing it); it and any after it "
-                           "are left out.", log, number)  # fmt: skip
-            break
-    return records
-
-
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load weights written by `model_state` (tied copies of the embedding left out) into `model`.
 
@@ -201,64 +170,9 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     check_loaded_names(*loaded, model.config)
 
 
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file's bytes, as 64 hexadecimal digits, read in blocks of 1 MiB.
-
-    See docs/training.md, "Training at scale, and runs that survive being killed".
-    """
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, path)
     give_umask_mode(path)  # safetensors writes through a temporary file of mode 0600
-
-
-@contextlib.contextmanager
-def room_for(directory: Path, needed: int, what: str, then: str) -> Iterator[None]:
-    """Around writes of `what`, about `needed` bytes, into `directory`: where the disk cannot hold them, one line.
-
-    The free space is checked before anything is written, and a write that fails for want of space
-    becomes the same error: safetensors, torch and tokenizers report it in errors of their own, the
-    last two with no errno.
-
-    See docs/training.md, "Training at scale, and runs that survive being killed".
-
-    Args:
-        directory: an existing directory of the file system written to.
-        needed: the bytes the writes take.
-        what: what is written, for the message (e.g. "checkpoint step-500").
-        then: what to do once there is room (e.g. "run the same command with --resume").
-
-    Raises:
-        OSError: the file system holds less than `needed` bytes free, or a write failed for want of
-            space; the message names `directory`, the space needed and the space free.
-    """
-    directory = Path(directory)
-
-    def no_room() -> OSError:
-        free = shutil.disk_usage(directory).free
-        return OSError(
-            f"No space left in {directory} for {what}: it needs about {needed / 1e6:,.1f} MB free, and "
-            f"{free / 1e6:,.1f} MB are. Free some space, then {then}."
-        )
-
-    if shutil.disk_usage(directory).free < needed:
-        raise no_room()
-    try:
-        yield
-    except Exception as error:
-        if isinstance(error, OSError):
-            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
-        else:  # a writer's own error; torch's names no reason, but the disk it left full does
-            full = os.strerror(errno.ENOSPC) in str(error) or shutil.disk_usage(directory).free < needed
-        if not full:
-            raise
-        raise no_room() from error
 
 
 def _fsync(path: Path) -> None:
@@ -528,17 +442,6 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
         for name, tensor in state.items():
             average[name] += tensor.double()
     return {name: (total / len(files)).float() for name, total in average.items()}
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a file beside it renamed into place.
-
-    A crash at any moment leaves the old file or the new one, whole (a rename is atomic on POSIX file systems).
-    See docs/training.md, "Training at scale, and runs that survive being killed".
-    """
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def record_averaged_steps(model_dir: str | Path, checkpoints: list[Path]) -> None:

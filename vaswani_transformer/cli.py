@@ -284,7 +284,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 
 def _train(args: argparse.Namespace) -> None:
     from .data import corpus_location
-    from .hub import ensure_writable
+    from .files import ensure_writable
     from .training import train
     from .training_config import TrainingConfig
 
@@ -329,7 +329,7 @@ def _generate_kwargs(args: argparse.Namespace) -> dict:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from .data import iter_lines
-    from .hub import ensure_writable
+    from .files import ensure_writable
     from .translation import corpus_bleu, load_translator, translate
 
     sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
@@ -436,7 +436,7 @@ def _translate(args: argparse.Namespace) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .data import iter_lines
-    from .hub import ensure_writable
+    from .files import ensure_writable
     from .translation import load_translator, translate_stream
 
     if args.attention_dir and args.engine != "torch":

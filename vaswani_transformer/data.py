@@ -19,8 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .checkpoints import sha256_file
-from .training_config import TrainingConfig
+from .files import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +279,7 @@ def tokenize_corpus(
     tokenizer: PreTrainedTokenizerBase,
     source_lang: str,
     target_lang: str,
-    max_length: int = TrainingConfig.max_length,
+    max_length: int,
     num_proc: int | None = None,
 ) -> datasets.DatasetDict:
     """Tokenize every split with `datasets.map` (§5.1); drop training pairs that are empty or too long, with a count.
@@ -291,7 +290,7 @@ def tokenize_corpus(
         corpus: from `load_parallel_corpus`.
         tokenizer: the shared tokenizer.
         max_length: longest sentence, in tokens with `</s>`, kept for training; longer ones in
-            other splits are truncated.
+            other splits are truncated (`TrainingConfig.max_length`).
         num_proc: worker processes for `map`.
 
     Returns:

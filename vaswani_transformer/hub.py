@@ -1,9 +1,7 @@
 """Saving a translator so that it loads anywhere (with the package, without it, as a pipeline) and publishing it."""
 
-import errno
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -11,24 +9,9 @@ from huggingface_hub import CommitOperationAdd, EvalResult, HfApi, ModelCard, Mo
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .files import TRAINING_LOCK_NAME, give_umask_mode, read_log
+
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_card_template.md"
-# The file by which a `train` run holds its output directory against other runs (training.py); no part of the model.
-TRAINING_LOCK_NAME = ".train.lock"
-
-
-def give_umask_mode(*paths: str | Path) -> None:
-    """Give files the mode that `open()` gives a new file: read and write for all, less the process's umask.
-
-    safetensors (0.8) writes through a temporary file of mode 0600 that it renames into place, so that
-    its weights would be the one file of a model that those who may read the others cannot.
-
-    Args:
-        paths: files this process owns.
-    """
-    umask = os.umask(0o077)  # reading the umask means setting it: meanwhile, new files are private, never open
-    os.umask(umask)
-    for path in paths:
-        os.chmod(path, 0o666 & ~umask)
 
 
 def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: str | Path) -> Path:
@@ -61,44 +44,6 @@ def save_translator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         backend.no_padding()
     tokenizer.save_pretrained(output_dir)
     return output_dir
-
-
-def ensure_writable(path: str | Path, is_file: bool = False) -> Path:
-    """Check that `path` can be written before any work is done, creating the directory if needed.
-
-    A directory is proved writable by creating and removing a file in it, which also catches
-    read-only file systems and paths that lead through a file; a file needs a writable directory
-    and must not be a directory or an existing file that cannot be written.
-
-    See docs/robustness.md, "Bad input".
-
-    Args:
-        path: an output directory (`train --output-dir`), or with `is_file`, an output file
-            (`evaluate --output`), whose directory is created.
-        is_file: whether `path` names a file.
-
-    Returns:
-        `path` as a `Path`.
-
-    Raises:
-        OSError: `path` cannot be written; the message names it and the reason.
-    """
-    path = Path(path)
-    directory = path.parent if is_file else path
-    try:
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-        if is_file and path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-        if is_file and path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    except OSError as error:
-        message = f"Cannot write to {path}: {error.strerror or error}; choose another path or fix the permissions."
-        raise OSError(message) from error
-    return path
 
 
 def check_model_exists(model: str) -> None:
@@ -286,8 +231,6 @@ def _read_json(path: Path) -> dict:
 
 
 def _last_log_line(path: Path) -> dict:
-    from .checkpoints import read_log  # here: checkpoints imports this module
-
     # The last whole record: a run killed while appending one leaves half a line after it.
     records = read_log(path) if path.is_file() else []
     return records[-1] if records else {}

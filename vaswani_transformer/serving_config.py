@@ -9,7 +9,7 @@ uvicorn, so that the command line knows the options and their defaults without t
 import math
 from dataclasses import dataclass
 
-from .training_config import option
+from .options import option
 
 # What to do with a sentence over the model's limit, for `serve` and `translate` alike.
 LONG_INPUTS = ("truncate", "error")

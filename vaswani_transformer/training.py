@@ -43,8 +43,9 @@ from .data import (
     text_batches,
     tokenize_corpus,
 )
+from .files import TRAINING_LOCK_NAME, ensure_writable, read_log, room_for
 from .flops import peak_flops, training_flops
-from .hub import TRAINING_LOCK_NAME, ensure_writable, save_translator, write_model_card
+from .hub import save_translator, write_model_card
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .ops_vaswani import fastest_mixed_precision
 from .plotting import plot_learning_curve
@@ -383,7 +384,7 @@ class TrainingRun:
         # A checkpoint holds the weights and Adam's two moments of each (§5.3), besides files of a few kB.
         self.checkpoint_bytes = 3 * _weight_bytes(model)
         # Before the first step: a disk without room for a checkpoint would otherwise stop the run at its first save.
-        with ckpt.room_for(self.output_dir, self.checkpoint_bytes, "a checkpoint", "run the same command again"):
+        with room_for(self.output_dir, self.checkpoint_bytes, "a checkpoint", "run the same command again"):
             if accelerator.is_main_process and resume_from is None:
                 tokenizer.save_pretrained(self.output_dir)  # resumed runs must tokenize exactly alike
                 record = {**asdict(config), "corpus_fingerprint": self.corpus_files}  # what a resume must find again
@@ -453,7 +454,7 @@ class TrainingRun:
         if resume_from is not None:
             self._restore_checkpoint(resume_from)
             accelerator.print(f"Resuming from {resume_from} (step {self.state['step']}).")
-        records = ckpt.read_log(self.log_path) if self.log_path.is_file() else []
+        records = read_log(self.log_path) if self.log_path.is_file() else []
         if accelerator.is_main_process:  # without what a killed run logged after its checkpoint
             kept = "".join(json.dumps(r) + "\n" for r in records if r["step"] <= self.state["step"])
             ckpt.write_text_atomically(self.log_path, kept)
@@ -730,7 +731,7 @@ class TrainingRun:
         state.update(elapsed_seconds=time.monotonic() - self.started, interval=self.interval.tolist())
         last = ckpt.list_checkpoints(self.checkpoints_dir)
         resume = f"run the same command with --resume: it continues from {last[-1].name if last else 'the start'}"
-        with ckpt.room_for(self.output_dir, self.checkpoint_bytes, f"checkpoint step-{state['step']}", resume):
+        with room_for(self.output_dir, self.checkpoint_bytes, f"checkpoint step-{state['step']}", resume):
             directory = ckpt.incomplete_dir(self.checkpoints_dir, state["step"], create=accelerator.is_main_process)
             accelerator.wait_for_everyone()
             ckpt.write_rng_state(directory, accelerator.process_index)
@@ -803,7 +804,7 @@ class TrainingRun:
             ckpt.load_model_state(model, ckpt.average_checkpoints(last))
             self._choose_decoding(model)  # may rewrite training_config.json: the averaged steps go in after
             resume = "run the same command with --resume: it only saves the model"
-            with ckpt.room_for(self.output_dir, _weight_bytes(model), "the model", resume):
+            with room_for(self.output_dir, _weight_bytes(model), "the model", resume):
                 save_translator(model, self.tokenizer, self.output_dir)
                 ckpt.record_averaged_steps(self.output_dir, last)
                 write_model_card(self.output_dir, keep_results=False)  # scores of earlier weights (resumed) go

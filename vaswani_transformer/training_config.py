@@ -9,11 +9,12 @@ import difflib
 import json
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .configuration_vaswani import PRESETS, VaswaniConfig
 from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty, check_num_beams
+from .options import option
 
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -31,26 +32,6 @@ RUN_FIELDS = (
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
 MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
-
-
-def option(default: Any = MISSING, help: str = "", group: str = "recipe", **argparse: Any) -> Any:
-    """A `TrainingConfig` field with its command-line help, group and any other `argparse` setting.
-
-    See README.md, "Command line".
-
-    Args:
-        default: the default value; a list or dict default is copied for every config.
-        help: the help text, with the unit of the value.
-        group: the `--help` section the option is listed in.
-        **argparse: passed to `add_argument` (e.g. `choices`, `metavar`, `flag` for another option name).
-
-    Returns:
-        A `dataclasses.field`.
-    """
-    metadata = {"help": help, "group": group, **argparse}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
