@@ -3,8 +3,8 @@
 The script starts the server itself, twice, on a free loopback port each time, with the given model:
 
 - "micro-batching": the server's batching options (`--batch-wait-ms`, `--max-batch-tokens`,
-  `--max-batch-sentences`, the defaults of `serve` unless given here);
-- "one at a time": `--batch-wait-ms 0 --max-batch-sentences 1`, each request its own `generate()`;
+  `--batch-size`, the defaults of `serve` unless given here);
+- "one at a time": `--batch-wait-ms 0 --batch-size 1`, each request its own `generate()`;
 - "big requests" (only when asked for with `--modes`): micro-batching, and one more client that sends
   one request of `--big-lines` one-character lines (2,500: LibreTranslate's 5,000 characters as
   lines) every `--big-every` seconds (the next as soon as the last is answered, if that takes
@@ -56,12 +56,12 @@ from pathlib import Path
 from benchmark import commit_measured, cpu_times  # scripts/benchmark.py: this folder is on sys.path
 from benchmark import machine as benchmark_machine
 
-from vaswani_transformer.serving_config import ENGINES
+from vaswani_transformer.inference_config import ENGINES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "micro-batching": [],  # the batching options of the command line are added
-    "one at a time": ["--batch-wait-ms", "0", "--max-batch-sentences", "1"],
+    "one at a time": ["--batch-wait-ms", "0", "--batch-size", "1"],
     "big requests": [],  # micro-batching's, and a client of big requests
 }
 
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="serve's --threads, both runs (default: torch's)")
     parser.add_argument("--batch-wait-ms", type=float, default=None, help="serve's option for the micro-batching run")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="serve's option for the micro-batching run")
-    parser.add_argument("--max-batch-sentences", type=int, default=None, help="serve's option, micro-batching run")
+    parser.add_argument("--batch-size", type=int, default=None, help="serve's option, micro-batching run")
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sentences = read_sentences(args)
     batching = []
-    for flag in ("batch_wait_ms", "max_batch_tokens", "max_batch_sentences"):
+    for flag in ("batch_wait_ms", "max_batch_tokens", "batch_size"):
         if getattr(args, flag) is not None:
             batching += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if "big requests" in args.modes:  # the same server for the run with big requests and the one without

@@ -19,9 +19,10 @@ os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
 import vaswani_transformer  # noqa: E402, F401  (registers the Auto classes)
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
 from vaswani_transformer.data import load_parallel_corpus, text_batches  # noqa: E402
+from vaswani_transformer.inference import Engine  # noqa: E402
 from vaswani_transformer.tokenization import train_tokenizer  # noqa: E402
 from vaswani_transformer.training import TrainingConfig  # noqa: E402
-from vaswani_transformer.translation import _Translator, can_fork_workers  # noqa: E402
+from vaswani_transformer.translation import can_fork_workers  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 # The mini model and corpus of the fault campaign (scripts/fault_campaign.py), for training tests that take seconds;
@@ -206,7 +207,5 @@ needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes
 
 def tag_with_process(monkeypatch) -> None:
     """Make every batch's translations say which process translated them ("PID|translation")."""
-    translate_batch = _Translator.translate_batch
-    monkeypatch.setattr(
-        _Translator, "translate_batch", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate_batch(self, texts)]
-    )
+    translate = Engine.translate
+    monkeypatch.setattr(Engine, "translate", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate(self, texts)])

@@ -1,6 +1,7 @@
 """The command line, end to end on a model trained on Multi30k, and loading in a fresh process."""
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,6 @@ from conftest import cli_arguments, mini_run, needs_fork, tag_with_process
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
-from vaswani_transformer.serving_config import ServingConfig
 from vaswani_transformer.training_config import TrainingConfig
 
 SENTENCE = "A man is riding a bicycle down the street."
@@ -105,23 +105,6 @@ def test_every_training_config_round_trips_through_the_command_line(monkeypatch,
     assert seen == [config]
 
 
-def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_line(capsys):
-    # Parsed without FastAPI: the command line reads serve's defaults from ServingConfig alone.
-    parse = build_parser().parse_args
-    defaults, config_fields = ServingConfig(), [option.name for option in fields(ServingConfig)]
-    args = parse(["serve", "model"])
-    assert {name: getattr(args, name) for name in config_fields} == vars(defaults)
-    args = parse(["serve", "model", "--port", "0", "--no-access-log", "--long-inputs", "truncate", "--threads", "1"])
-    chosen = ServingConfig(**{name: getattr(args, name) for name in config_fields})
-    assert (chosen.port, chosen.access_log, chosen.long_inputs, chosen.threads) == (0, False, "truncate", 1)
-    assert chosen.char_limit == defaults.char_limit and chosen.batch_wait_ms == defaults.batch_wait_ms
-    refused = [("--char-limit", "0"), ("--batch-wait-ms", "-1"), ("--batch-wait-ms", "inf"), ("--threads", "0")]
-    for option, value in refused:
-        assert main(["serve", "no-such-model", option, value]) == 2
-        error = capsys.readouterr().err
-        assert option in error and value in error and len(error.strip().splitlines()) == 1
-
-
 def test_train_refuses_no_corpus_or_two_in_one_line(capsys):
     for corpus in ([], ["--data-dir", "d", "--dataset", "wmt14"]):
         assert main(["train", *corpus, *REQUIRED[2:], "--max-steps", "1"]) == 2
@@ -188,7 +171,8 @@ def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_pa
 
 
 def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained_model_dir, corpus, tmp_path, capsys):
-    from vaswani_transformer.translation import load_translator, translate
+    from vaswani_transformer.inference import load_translator
+    from vaswani_transformer.translation import translate
 
     sources = corpus["test_2016_flickr"]["en"][:40]
     (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
@@ -215,7 +199,8 @@ def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained
 def test_translate_and_evaluate_hand_batches_to_worker_processes(
     trained_model_dir, corpus, tmp_path, capsys, monkeypatch
 ):
-    from vaswani_transformer.translation import load_translator, translate, translate_stream
+    from vaswani_transformer.inference import load_translator
+    from vaswani_transformer.translation import translate, translate_stream
 
     sources = corpus["test_2016_flickr"]["en"][:24]
     (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
@@ -280,17 +265,25 @@ print(piped)
     assert result.stdout.strip()
 
 
-def test_plot_attention_script_draws_every_head_of_a_saved_model(trained_model_dir, tmp_path):
+def test_plot_attention_script_draws_every_head_of_a_saved_model(trained_model_dir, tmp_path, monkeypatch):
     script = Path(__file__).resolve().parents[1] / "scripts" / "plot_attention.py"
+    path = tmp_path / "cross.png"
+    result = subprocess.run(
+        [sys.executable, str(script), str(trained_model_dir), SENTENCE, "--layer", "0", "--output", str(path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # The other kinds in this process: a second interpreter would only load the same libraries again.
+    spec = importlib.util.spec_from_file_location("plot_attention", script)
+    plot_attention = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_attention)
+    for kind in ("encoder", "decoder"):
+        output = str(tmp_path / f"{kind}.png")
+        options = ["--kind", kind, "--layer", "0", "--output", output]
+        monkeypatch.setattr(sys, "argv", ["plot_attention.py", str(trained_model_dir), SENTENCE, *options])
+        plot_attention.main()
     for kind in ("encoder", "decoder", "cross"):
-        path = tmp_path / f"{kind}.png"
-        result = subprocess.run(
-            [sys.executable, str(script), str(trained_model_dir), SENTENCE,
-             "--kind", kind, "--layer", "0", "--output", str(path)],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / f"{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread
 
     image = imread(tmp_path / "cross.png")
@@ -306,18 +299,6 @@ def test_translate_draws_the_attention_of_each_sentence_on_request(trained_model
     translations = capsys.readouterr().out.splitlines()
     assert len(translations) == 3 and translations[0] and translations[1] == "" and translations[2]
     assert sorted(p.name for p in (tmp_path / "attention").iterdir()) == ["sentence-1.png", "sentence-3.png"]
-
-
-def test_attention_maps_show_the_source_as_translation_cut_it(trained_model_dir):
-    from vaswani_transformer.plotting import attention_maps
-    from vaswani_transformer.translation import load_translator
-
-    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
-    model.set_attn_implementation("eager")
-    long_source = " ".join([SENTENCE] * 80)
-    assert len(tokenizer(long_source)["input_ids"]) > tokenizer.model_max_length
-    output, source_tokens, _ = attention_maps(model, tokenizer, long_source, "Ein Hund.")
-    assert output.cross_attentions[-1].shape[-1] == len(source_tokens) == tokenizer.model_max_length
 
 
 def test_decoding_choices_follow_one_flag_and_a_later_flag_replaces_them():

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from vaswani_transformer.cli import main
-from vaswani_transformer.export import ctranslate2_export, load_ctranslate2_engine
+from vaswani_transformer.export import ctranslate2_export
+from vaswani_transformer.inference import load_ctranslate2_engine
 from vaswani_transformer.translation import translate
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -175,9 +176,11 @@ def test_translate_with_the_ctranslate2_engine_gives_nearly_all_the_torch_transl
 
 def test_the_ctranslate2_engine_takes_the_length_penalty_asked_for(trained_model_dir, exported, corpus):
     sources = corpus["test_2016_flickr"]["en"][:48]
-    model, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    model = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    tokenizer = model.tokenizer
     default = translate(model, tokenizer, sources)
-    model, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported, length_penalty=3.0)
+    model = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported, length_penalty=3.0)
+    tokenizer = model.tokenizer
     longer = translate(model, tokenizer, sources)
     torch_model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir)
     expected = translate(torch_model, tokenizer, sources, length_penalty=3.0)
@@ -188,7 +191,7 @@ def test_the_ctranslate2_engine_takes_the_length_penalty_asked_for(trained_model
 
 
 def test_the_ctranslate2_engine_stops_at_max_new_tokens_as_generate_does(trained_model_dir, exported, corpus):
-    from vaswani_transformer.export import CTranslate2Engine
+    from vaswani_transformer.inference import CTranslate2Engine
 
     tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
     config = GenerationConfig.from_pretrained(trained_model_dir)
@@ -200,7 +203,8 @@ def test_the_ctranslate2_engine_stops_at_max_new_tokens_as_generate_does(trained
 
 
 def test_a_ctranslate2_engine_refuses_generate_arguments(trained_model_dir, exported):
-    engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    engine = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=exported)
+    tokenizer = engine.tokenizer
     with pytest.raises(ValueError, match="num_beams"):
         translate(engine, tokenizer, ["A dog runs."], num_beams=2)
     with pytest.raises(ValueError, match="use 1 for a model on a GPU or a CTranslate2 engine"):
@@ -222,7 +226,8 @@ def test_a_ctranslate2_engine_refuses_zero_beams_as_generate_does(trained_model_
 def test_the_engine_reads_and_writes_within_the_position_table_of_its_export(trained_model_dir, tmp_path, corpus):
     short = tmp_path / "short"
     assert main(["export-ctranslate2", str(trained_model_dir), str(short), "--max-positions", "12"]) == 0
-    engine, tokenizer = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=short)
+    engine = load_ctranslate2_engine(str(trained_model_dir), ct2_dir=short)
+    tokenizer = engine.tokenizer
     calls = []
 
     class Recording:  # CTranslate2's translator, with each call's tokens, options and hypotheses kept
@@ -237,7 +242,7 @@ def test_the_engine_reads_and_writes_within_the_position_table_of_its_export(tra
     engine.translator = Recording(engine.translator)
     long_source = max(corpus["test_2016_flickr"]["en"][:100], key=len)
     assert len(tokenizer(long_source).input_ids) > 12
-    translate(engine, tokenizer, [long_source])
+    translate(engine, tokenizer, [long_source], long_inputs="truncate")
     ((tokens, options, hypotheses),) = calls
     # A table of 12 positions, where the default's 1,024 would have let CTranslate2 read and write past it.
     assert max(map(len, tokens)) <= 12 and options["max_input_length"] <= 12

@@ -7,7 +7,6 @@ small model trained on Multi30k (`trained_model_dir`); its translations are comp
 
 import http.client
 import json
-import math
 import os
 import shutil
 import signal
@@ -29,8 +28,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from vaswani_transformer.cli import main  # noqa: E402
-from vaswani_transformer.serving import MicroBatcher, model_languages  # noqa: E402
-from vaswani_transformer.serving_config import ServingConfig  # noqa: E402
+from vaswani_transformer.serving import model_languages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Screenshots of the page, kept for a person to look at (outputs/ is not committed).
@@ -303,7 +301,7 @@ def test_a_big_request_takes_turns_with_a_small_one_behind_it_and_too_many_sente
     trained_model_dir, tmp_path, sentences, references
 ):
     # 72 lines in 9 batches of 8: a one-sentence request sent while they are translated joins the next batch.
-    server = Server(trained_model_dir, tmp_path / "server.log", "--max-batch-sentences", "8", "--sentence-limit", "100")
+    server = Server(trained_model_dir, tmp_path / "server.log", "--batch-size", "8", "--sentence-limit", "100")
     lines = sentences * 3
     finished: list[str] = []
 
@@ -338,7 +336,7 @@ def test_a_request_past_its_deadline_or_whose_client_left_mid_body_is_dropped_wi
 ):
     # One sentence a batch and a deadline of 1 ms: a request of two sentences is past it after its first batch.
     log_path = tmp_path / "server.log"
-    server = Server(trained_model_dir, log_path, "--max-batch-sentences", "1", "--request-timeout", "0.001")
+    server = Server(trained_model_dir, log_path, "--batch-size", "1", "--request-timeout", "0.001")
     try:
         request = urllib.request.Request(
             f"{server.url}/translate", json.dumps({**GOOD, "q": sentences[:2]}).encode(), {"Content-Type": JSON}
@@ -476,115 +474,3 @@ def test_the_page_translates_in_headless_chromium(server, sentences, references,
         shown == call(f"{server.url}/translate", {"q": sentence, "source": "en", "target": "de"})[1]["translatedText"]
     )
     assert shown == references[sentence]
-
-
-class _Blocking:
-    """A stand-in for an engine: records each batch it gets; the first call waits until released."""
-
-    def __init__(self, fail_on: str | None = None) -> None:
-        self.batches: list[list[str]] = []
-        self.release, self.started = threading.Event(), threading.Event()
-        self.fail_on = fail_on
-
-    def __call__(self, sentences: list[str]) -> list[str]:
-        self.batches.append(list(sentences))
-        if len(self.batches) == 1:
-            self.started.set()
-            self.release.wait(30)
-        if self.fail_on in sentences:
-            raise RuntimeError(f"cannot translate {self.fail_on}")
-        return [s.upper() for s in sentences]
-
-
-def _submit_while_busy(batcher: MicroBatcher, engine: _Blocking, requests: list[list[str]], **options) -> list:
-    first = batcher.submit(["first"], [1])
-    assert engine.started.wait(30)  # the worker is inside its first call: the others queue up behind it
-    futures = [first] + [batcher.submit(request, [1] * len(request), **options) for request in requests]
-    engine.release.set()
-    return futures
-
-
-def test_micro_batcher_translates_waiting_requests_together_and_answers_each_its_own():
-    engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, max_batch_sentences=100)
-    requests = [["a", "b"], ["c"], ["d", "e", "f"]]
-    futures = _submit_while_busy(batcher, engine, requests)
-    assert [future.result(30) for future in futures] == [["FIRST"], ["A", "B"], ["C"], ["D", "E", "F"]]
-    assert engine.batches == [["first"], ["a", "c", "d", "b", "e", "f"]]  # a sentence of each request in turn
-    batcher.close()
-
-
-def test_micro_batcher_requests_take_turns_so_a_small_one_behind_a_big_one_is_answered_first():
-    engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, max_batch_sentences=3)
-    big, small = [f"b{i}" for i in range(9)], ["s"]
-    futures = _submit_while_busy(batcher, engine, [big, small])
-    answered: list[str] = []
-    futures[1].add_done_callback(lambda _: answered.append("big"))
-    futures[2].add_done_callback(lambda _: answered.append("small"))
-    batcher.close()
-    assert answered == ["small", "big"]
-    assert engine.batches == [["first"], ["b0", "s", "b1"], ["b2", "b3", "b4"], ["b5", "b6", "b7"], ["b8"]]
-    assert futures[1].result() == [sentence.upper() for sentence in big] and futures[2].result() == ["S"]
-
-
-def test_micro_batcher_budgets_hold_and_one_at_a_time_means_one_sentence_per_call():
-    engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=5, max_batch_sentences=100)
-    first = batcher.submit(["first"], [1])
-    assert engine.started.wait(30)
-    futures = [batcher.submit(["a", "b"], [3, 1]), batcher.submit(["c", "d"], [2, 9])]
-    engine.release.set()
-    batcher.close()
-    # Tokens: a (3) and c (2) fill the budget of 5; d alone is over it, a batch of its own.
-    assert engine.batches == [["first"], ["a", "c"], ["b"], ["d"]]
-    assert [future.result() for future in [first, *futures]] == [["FIRST"], ["A", "B"], ["C", "D"]]
-
-    engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_sentences=1)
-    _submit_while_busy(batcher, engine, [["a", "b"], ["c"]])
-    batcher.close()
-    assert engine.batches == [["first"], ["a"], ["c"], ["b"]]
-
-
-def test_micro_batcher_refuses_a_request_past_its_deadline_and_translates_no_more_of_it():
-    engine = _Blocking()
-    batcher = MicroBatcher(engine, batch_wait_ms=0)
-    first = batcher.submit(["first"], [1])
-    assert engine.started.wait(30)
-    late = batcher.submit(["a", "b"], [1, 1], timeout=0.001)
-    timely = batcher.submit(["c"], [1], timeout=600)
-    time.sleep(0.01)  # not a measurement: the 1 ms deadline must have passed before the worker is free
-    engine.release.set()
-    batcher.close()
-    with pytest.raises(TimeoutError, match="0.001 s"):
-        late.result()
-    assert first.result() == ["FIRST"] and timely.result() == ["C"]
-    assert engine.batches == [["first"], ["c"]]
-    assert batcher.sentences_in_flight == 0
-    with pytest.raises(ValueError, match="timeout"):
-        batcher.submit(["d"], [1], timeout=0)
-
-
-BOUNDLESS = [{"sentence_limit": 0}, *({"request_timeout": t} for t in (0, -1, math.inf, math.nan))]
-
-
-@pytest.mark.parametrize("setting", BOUNDLESS)
-def test_serving_config_refuses_a_sentence_limit_or_request_timeout_that_bounds_nothing(setting):
-    name = next(iter(setting))
-    with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be"):
-        ServingConfig(**setting)
-
-
-def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_queue():
-    engine = _Blocking(fail_on="bad")
-    batcher = MicroBatcher(engine, batch_wait_ms=0)
-    futures = _submit_while_busy(batcher, engine, [["a"], ["bad", "b"], ["c"]])
-    batcher.close()  # returns once everything queued before it is answered
-    assert all(future.done() for future in futures)
-    assert futures[1].result() == ["A"] and futures[3].result() == ["C"]
-    with pytest.raises(RuntimeError, match="cannot translate bad"):
-        futures[2].result()
-    assert batcher.sentences_in_flight == 0
-    with pytest.raises(RuntimeError, match="shutting down"):
-        batcher.submit(["late"], [1])

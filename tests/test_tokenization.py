@@ -8,8 +8,8 @@ from conftest import needs_fork, random_model
 from transformers import AutoTokenizer
 
 from vaswani_transformer import VaswaniConfig
+from vaswani_transformer.inference import load_translator
 from vaswani_transformer.tokenization import SPECIAL_TOKENS, check_tokenizer_matches, tokenizer_lock, train_tokenizer
-from vaswani_transformer.translation import load_translator
 
 
 def test_special_tokens_have_the_ids_the_config_expects(tokenizer):

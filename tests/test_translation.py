@@ -15,10 +15,10 @@ from conftest import needs_fork, tag_with_process
 from test_checkpoints import Exploit
 
 from vaswani_transformer.cli import main
+from vaswani_transformer.inference import load_translator
 from vaswani_transformer.translation import (
     choose_decoding,
     corpus_bleu,
-    load_translator,
     map_in_workers,
     translate,
     translate_stream,

@@ -20,7 +20,10 @@ from concurrent.futures import BrokenExecutor
 from dataclasses import MISSING, fields
 from pathlib import Path
 from types import UnionType
-from typing import get_args, get_origin
+from typing import TYPE_CHECKING, get_args, get_origin
+
+if TYPE_CHECKING:  # imported where a command runs: `--help` needs neither torch nor transformers
+    from .inference_config import InferenceConfig
 
 
 def _model_option(text: str) -> tuple[str, object]:
@@ -33,53 +36,7 @@ def _model_option(text: str) -> tuple[str, object]:
         return key, value
 
 
-DEVICE_HELP = (
-    "torch device, e.g. cpu or cuda:0 (default: cuda if available); the ctranslate2 engine takes cpu or cuda "
-    "(default: cpu)"
-)
-
-
-def _length_penalty(text: str) -> float:
-    from .generation_vaswani import check_length_penalty
-
-    try:
-        return check_length_penalty(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number such as 0.6, got {text!r}") from None
-
-
-def _add_beam_options(parser: argparse.ArgumentParser) -> None:
-    from .generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS
-
-    parser.add_argument(
-        "--num-beams",
-        type=int,
-        default=None,
-        help=f"beam size; default: the model's generation config ({PAPER_NUM_BEAMS}, §6.1)",
-    )
-    parser.add_argument(
-        "--length-penalty",
-        type=_length_penalty,
-        default=None,
-        metavar="ALPHA",
-        help="beam search's length penalty alpha (§6.1) in the model's form, GNMT's ((5 + |Y|) / 6) ** alpha for "
-        "models trained here; none with --num-beams 1; default: the model's generation config "
-        f"({PAPER_LENGTH_PENALTY}, or what `train --choose-length-penalty` chose on the validation set)",
-    )
-
-
-def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    from .serving_config import BATCH_SIZE, LONG_INPUTS
-
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help=f"sentences per generate() call (default: {BATCH_SIZE}; 1 when reading a terminal, to answer each line "
-        "at once)",
-    )
-    _add_beam_options(parser)
-    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+def _add_num_workers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-workers",
         type=int,
@@ -88,31 +45,18 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
         "process with a thread per core (about one worker per core), each translation waiting for the batches "
         "after it; the torch engine on the CPU, not on macOS or Windows (default: 1)",
     )
-    parser.add_argument(
-        "--long-inputs",
-        choices=LONG_INPUTS,
-        default=LONG_INPUTS[0],
-        help="sentences longer than the model's limit (its tokenizer's model_max_length, in tokens): truncate them "
-        f"with one warning, or stop with an error (default: {LONG_INPUTS[0]})",
-    )
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    from .serving_config import ENGINES
+def _add_inference_options(parser: argparse.ArgumentParser) -> None:
+    from .inference_config import InferenceConfig
 
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default=ENGINES[0],
-        help="torch: the model's generate(); ctranslate2: its CTranslate2 export (nearly always the same "
-        f"translations), made on first use (see --ctranslate2-dir) (default: {ENGINES[0]})",
-    )
-    parser.add_argument(
-        "--ctranslate2-dir",
-        default=None,
-        help="where the CTranslate2 export lives (default: MODEL/ctranslate2; for a Hub id "
-        "$HF_HOME/vaswani_transformer/ctranslate2/ORG--NAME--COMMIT)",
-    )
+    _add_config_options(parser, InferenceConfig, {})
+
+
+def _inference_config(args: argparse.Namespace) -> "InferenceConfig":
+    from .inference_config import InferenceConfig
+
+    return InferenceConfig(**{name: getattr(args, name) for name in _option_names(InferenceConfig)})
 
 
 def _option_names(config_class: type) -> list[str]:
@@ -177,10 +121,12 @@ def _add_evaluate_options(evaluate: argparse.ArgumentParser) -> None:
     evaluate.add_argument(
         "--no-model-card",
         action="store_true",
-        help="do not record the score in a local model's README.md (a score of other --num-beams or "
-        "--length-penalty than the model's own is never recorded: the card describes the model as saved)",
+        help="do not record the score in a local model's README.md (a score of other --num-beams, "
+        "--length-penalty or --engine than the model's own generate() is never recorded: the card describes the "
+        "model as saved)",
     )
-    _add_decoding_options(evaluate)
+    _add_num_workers(evaluate)
+    _add_inference_options(evaluate)
 
 
 def _add_translate_options(translate: argparse.ArgumentParser) -> None:
@@ -191,8 +137,8 @@ def _add_translate_options(translate: argparse.ArgumentParser) -> None:
         default=None,
         help="also draw each sentence's encoder-decoder attention (last layer, every head) as DIR/sentence-N.png",
     )
-    _add_decoding_options(translate)
-    _add_engine_options(translate)
+    _add_num_workers(translate)
+    _add_inference_options(translate)
 
 
 def _add_push_options(push: argparse.ArgumentParser) -> None:
@@ -250,11 +196,9 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     from .serving_config import ServingConfig
 
     serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
-    _add_engine_options(serve)
-    _add_beam_options(serve)
-    serve.add_argument("--device", default=None, help=DEVICE_HELP)
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
+    _add_inference_options(serve)
     _add_config_options(serve, ServingConfig, {})
 
 
@@ -313,25 +257,22 @@ def _train_interrupted(output_dir: str) -> str:
     return f"interrupted; the last checkpoint is {saved[-1]}: run the same command with --resume to continue from it."
 
 
-def _batch_size(args: argparse.Namespace) -> int:
-    from .serving_config import BATCH_SIZE
+def _batch_size(args: argparse.Namespace, config: "InferenceConfig") -> int:
+    from .inference_config import BATCH_SIZE
 
-    if args.batch_size is not None:
-        return args.batch_size
+    if config.batch_size is not None:
+        return config.batch_size
     interactive = getattr(args, "input", None) == "-" and sys.stdin.isatty()
     return 1 if interactive else BATCH_SIZE
-
-
-def _generate_kwargs(args: argparse.Namespace) -> dict:
-    options = {"num_beams": args.num_beams, "length_penalty": args.length_penalty}
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def _evaluate(args: argparse.Namespace) -> None:
     from .data import iter_lines
     from .files import ensure_writable
-    from .translation import corpus_bleu, load_translator, translate
+    from .inference import load_engine
+    from .translation import corpus_bleu, translate
 
+    config = _inference_config(args)
     sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
     if len(sources) != len(references):
         raise ValueError(
@@ -348,9 +289,10 @@ def _evaluate(args: argparse.Namespace) -> None:
                 )
         _refuse_a_file_of_the_model(args.output, args.model)
         ensure_writable(args.output, is_file=True)
-    model, tokenizer = load_translator(args.model, args.device)
-    own = model.generation_config
-    other_decoding = any(getattr(own, name) != value for name, value in _generate_kwargs(args).items())
+    engine = load_engine(args.model, config)
+    own = engine.generation_config
+    other_engine = config.engine != "torch"  # nearly always the same translations, but not the model's generate()
+    other_decoding = other_engine or any(getattr(own, name) != v for name, v in config.generate_kwargs.items())
     record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
     unnamed = not Path(args.source).is_file() and not (args.dataset_name and args.split)  # a pipe names no test set
     card = Path(args.model) / "README.md"
@@ -363,7 +305,7 @@ def _evaluate(args: argparse.Namespace) -> None:
                 f"({getattr(error.__cause__, 'strerror', None) or error}): pass --no-model-card, or fix the permissions"
             ) from error
     hypotheses = translate(
-        model, tokenizer, sources, _batch_size(args), True, args.long_inputs, args.num_workers, **_generate_kwargs(args)
+        engine, engine.tokenizer, sources, _batch_size(args, config), True, config.long_inputs, args.num_workers
     )
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
@@ -374,7 +316,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     report.update(bleu_lowercased=round(lowercased["score"], 2), signature_lowercased=lowercased["signature"])
     print(json.dumps(report))
     if record and other_decoding:
-        print("The model card is left as it is: this score is not of the model's own decoding.", file=sys.stderr)
+        print("The model card is left as it is: this score is not of the model's own generate().", file=sys.stderr)
     elif record and unnamed:
         print(
             "The model card is left as it is: a pipe's score needs --dataset-name and --split.",
@@ -437,9 +379,11 @@ def _translate(args: argparse.Namespace) -> None:
 
     from .data import iter_lines
     from .files import ensure_writable
-    from .translation import load_translator, translate_stream
+    from .inference import load_engine
+    from .translation import translate_stream
 
-    if args.attention_dir and args.engine != "torch":
+    config = _inference_config(args)
+    if args.attention_dir and config.engine != "torch":
         raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
     if args.attention_dir:
         ensure_writable(args.attention_dir)
@@ -456,19 +400,12 @@ def _translate(args: argparse.Namespace) -> None:
     if args.input != "-" and Path(args.input).is_file():  # a pipe (`<(...)`) cannot be read twice
         with open(args.input, "rb") as handle:
             total = sum(1 for _ in handle)  # lines as iter_lines counts them
-    if args.engine == "ctranslate2":
-        from .export import load_ctranslate2_engine
-
-        model, tokenizer = load_ctranslate2_engine(
-            args.model, args.device, args.num_beams, args.ctranslate2_dir, length_penalty=args.length_penalty
-        )
-        generate_kwargs = {}  # the engine took the beam size and the penalty
-    else:
-        model, tokenizer = load_translator(args.model, args.device)
-        generate_kwargs = _generate_kwargs(args)
-    if args.attention_dir:
+    engine = load_engine(args.model, config)
+    tokenizer = engine.tokenizer
+    if args.attention_dir:  # the torch engine, as checked above
         from .plotting import attention_maps, plot_attention
 
+        model = engine.model
         model.set_attn_implementation("eager")  # the only implementation that returns attention weights
     sources: deque[str] = deque()
 
@@ -478,7 +415,7 @@ def _translate(args: argparse.Namespace) -> None:
             yield line
 
     stream = translate_stream(
-        model, tokenizer, remembered(lines), _batch_size(args), args.long_inputs, args.num_workers, **generate_kwargs
+        engine, tokenizer, remembered(lines), _batch_size(args, config), config.long_inputs, args.num_workers
     )
     # A progress bar (on stderr) for files, in sentences translated, with the time left; stdin is answered line by
     # line without one. Log records are written above the bar, and it ends its line before an error is printed.
@@ -539,10 +476,10 @@ def _serve(args: argparse.Namespace) -> None:
     from .serving_config import ServingConfig
 
     config = ServingConfig(**{name: getattr(args, name) for name in _option_names(ServingConfig)})
+    inference = _inference_config(args)
     from .serving import serve
 
-    loading = ("engine", "device", "num_beams", "length_penalty", "source_lang", "target_lang", "ctranslate2_dir")
-    serve(args.model, config, **{name: getattr(args, name) for name in loading})
+    serve(args.model, config, inference, args.source_lang, args.target_lang)
 
 
 # Each command: its line in `--help`, the function that adds its options, and the one that runs it.

@@ -18,7 +18,7 @@ each needed for CTranslate2 to decode as our `generate()` does:
 Beam size, length penalty and length limits are options of CTranslate2's `translate_batch`, not
 of the model: `beam_size=4` with `length_penalty=1.0` (its default) gives, nearly always, our
 `generate()` with `length_penalty_type="hf"`. CTranslate2 has no GNMT length penalty (§6.1);
-`CTranslate2Engine`, which `translate --engine ctranslate2` and `serve --engine ctranslate2` use,
+`inference.CTranslate2Engine`, which `--engine ctranslate2` of `translate`, `evaluate` and `serve` uses,
 ranks CTranslate2's finished hypotheses by it instead, so that it nearly always translates as our
 `generate()` does (the class says how nearly).
 """
@@ -33,12 +33,9 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .convert import DEFAULT_MAX_POSITIONS, to_marian
-from .generation_vaswani import PAPER_MAX_LENGTH_B, check_length_penalty, check_num_beams, gnmt_length_penalty
 from .hub import check_model_exists
-from .tokenization import tokenizer_lock
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +46,24 @@ EXPORT_SETTINGS_NAME = "vaswani_export.json"
 _EXPORT_LOCK = threading.Lock()
 
 
-def _pickled_code_refused(model: str | Path) -> OSError:
-    # torch.load(weights_only=True), which transformers loads PyTorch weights with, refuses a pickle of anything but
-    # tensors (code to run, say) in a message of 20 lines: one is enough.
+def pickled_code_refused(model: str | Path) -> OSError:
+    """The one-line error for PyTorch weights of `model` whose pickle holds more than tensors (code to run).
+
+    torch.load(weights_only=True), which transformers loads PyTorch weights with, refuses them in a message of
+    20 lines. See docs/robustness.md, "Bad input".
+    """
     return OSError(
         f"{model}: its PyTorch weights (pytorch_model*.bin) are a pickle of more than tensors, which could run code: "
         "refused, nothing in it was run; use weights saved as model.safetensors, from a source you trust"
     )
 
 
-def _import_ctranslate2():
+def import_ctranslate2() -> tuple:
+    """`ctranslate2` and its `converters.transformers` module.
+
+    Raises:
+        ImportError: ctranslate2 is not installed; the message names the `serve` extra.
+    """
     try:
         import ctranslate2
         import ctranslate2.converters.transformers as ct2_transformers
@@ -71,7 +76,7 @@ def _import_ctranslate2():
 
 def _register_loader(max_positions: int) -> None:
     """Register (again) the CTranslate2 loader of `VaswaniConfig` models, with this position table size."""
-    _, ct2 = _import_ctranslate2()
+    _, ct2 = import_ctranslate2()
 
     class VaswaniLoader(ct2.MarianMTLoader):
         @property
@@ -158,7 +163,7 @@ def export_ctranslate2(
     _check_holds_no_other_files(output_dir)
     if max_positions < 1:
         raise ValueError(f"max_positions must be a positive number of tokens, got {max_positions}.")
-    _, ct2 = _import_ctranslate2()
+    _, ct2 = import_ctranslate2()
     # Taken before converting: weights replaced during the conversion must not be recorded as exported.
     settings = {"max_positions": max_positions, "weights_sha256": _weights_digest(model_dir)}
     with _EXPORT_LOCK:
@@ -167,7 +172,7 @@ def export_ctranslate2(
         try:
             exported = Path(converter.convert(str(output_dir), quantization=quantization, force=force))
         except pickle.UnpicklingError as error:
-            raise _pickled_code_refused(model_dir) from error
+            raise pickled_code_refused(model_dir) from error
     (exported / EXPORT_SETTINGS_NAME).write_text(json.dumps(settings) + "\n")
     return exported
 
@@ -194,103 +199,15 @@ def _made_from(ct2_dir: Path, digest: str | None) -> bool:
     return (
         (ct2_dir / "model.bin").is_file()
         and digest is not None
-        and _export_settings(ct2_dir).get("weights_sha256") == digest
+        and export_settings(ct2_dir).get("weights_sha256") == digest
     )
 
 
-def _export_settings(ct2_dir: Path) -> dict:
+def export_settings(ct2_dir: Path) -> dict:
+    """What an export records beside it (`vaswani_export.json`): its position table size, its weights' SHA-256."""
     # Exports made before the settings file was written used the default table and recorded no weights.
     settings = ct2_dir / EXPORT_SETTINGS_NAME
     return json.loads(settings.read_text()) if settings.is_file() else {"max_positions": DEFAULT_MAX_POSITIONS}
-
-
-class CTranslate2Engine:
-    """Translates with CTranslate2 from the model's export (`export_ctranslate2`), as `generate()` decodes (§6.1).
-
-    Beam size `num_beams` of the generation config (4), and its length penalty alpha (0.6). With
-    `length_penalty_type="gnmt"` (the paper's, which CTranslate2 lacks) CTranslate2 searches with
-    no length normalisation and returns its `num_beams` finished hypotheses with their
-    log-probabilities, and the engine keeps the best by log P(Y|X) / ((5 + |Y|) / 6) ** alpha, |Y|
-    counting `</s>`, as our beam search ranks them: both search by the beams' log-probabilities, stop
-    a sentence once `num_beams` hypotheses have ended (`early_stopping=True`) and apply the penalty
-    only to finished ones. With "hf", CTranslate2's own score / |Y| ** alpha is transformers'. The
-    two searches still differ in details (which candidates may end at a step, ties), so a few
-    sentences in a hundred may come out otherwise (docs/serving.md counts them on Multi30k). The
-    output is at most the batch's longest source + `max_length_b` (50) tokens,
-    where `generate()` limits each sentence by its own source, and at most the generation config's
-    `max_new_tokens`, as with `generate()`; sources and outputs at most the export's
-    `max_positions` (recorded beside it; 1,024 for exports that predate the record).
-
-    Args:
-        ct2_dir: a directory written by `export_ctranslate2`.
-        tokenizer: the model's tokenizer (CTranslate2 reads and writes token strings).
-        generation_config: the model's `GenerationConfig`.
-        num_beams: overrides the generation config's beam size.
-        device: "cpu" or "cuda".
-        length_penalty: overrides the generation config's alpha (in its `length_penalty_type`).
-
-    Raises:
-        ImportError: ctranslate2 is not installed.
-        ValueError: a beam size below 1, or a length penalty that is not a finite number.
-    """
-
-    name = "ctranslate2"
-
-    def __init__(
-        self,
-        ct2_dir: str | Path,
-        tokenizer: PreTrainedTokenizerBase,
-        generation_config: GenerationConfig,
-        num_beams: int | None = None,
-        device: str = "cpu",
-        length_penalty: float | None = None,
-    ) -> None:
-        ctranslate2, _ = _import_ctranslate2()
-        self.tokenizer = tokenizer
-        self.translator = ctranslate2.Translator(str(ct2_dir), device=device, intra_threads=torch.get_num_threads())
-        self.beam_size = check_num_beams(num_beams) or generation_config.num_beams or 1
-        if length_penalty is None:
-            length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
-        self.length_penalty = check_length_penalty(length_penalty)
-        self.gnmt = getattr(generation_config, "length_penalty_type", None) == "gnmt" and self.beam_size > 1
-        b = getattr(generation_config, "max_length_b", None)
-        self.extra_length = b if b is not None else PAPER_MAX_LENGTH_B
-        # The export's position table bounds sources and outputs alike; generate()'s max_new_tokens every batch.
-        self.max_positions = _export_settings(Path(ct2_dir))["max_positions"]
-        self.max_output = min(generation_config.max_new_tokens or self.max_positions, self.max_positions)
-        self.source_limit = min(tokenizer.model_max_length, self.max_positions)
-
-    def translate(self, sentences: list[str]) -> list[str]:
-        """One translation per sentence, in order, from one `translate_batch` call; blank sentences give "".
-
-        See docs/serving.md, "Engines".
-        """
-        indices = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        translations = [""] * len(sentences)
-        if not indices:
-            return translations
-        batch = [sentences[i] for i in indices]
-        with tokenizer_lock(self.tokenizer):
-            ids = self.tokenizer(batch, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
-        tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
-        results = self.translator.translate_batch(
-            tokens,
-            beam_size=self.beam_size,
-            length_penalty=0.0 if self.gnmt else self.length_penalty,
-            num_hypotheses=self.beam_size if self.gnmt else 1,
-            return_scores=self.gnmt,
-            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_output),
-            max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
-            max_batch_size=len(tokens),
-        )
-        for i, result in zip(indices, results, strict=True):
-            best = result.hypotheses[0]
-            if self.gnmt:  # + 1: CTranslate2 leaves </s> out of its hypotheses
-                scored = zip(result.hypotheses, result.scores, strict=True)
-                best, _ = max(scored, key=lambda h: h[1] / gnmt_length_penalty(len(h[0]) + 1, self.length_penalty))
-            output_ids = self.tokenizer.convert_tokens_to_ids(best)
-            translations[i] = self.tokenizer.decode(output_ids, skip_special_tokens=True).strip()
-        return translations
 
 
 def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
@@ -368,41 +285,3 @@ def ctranslate2_export(model: str, ct2_dir: str | Path | None = None) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("Exported %s to CTranslate2 in %s", model, target)
     return target
-
-
-def load_ctranslate2_engine(
-    model: str,
-    device: str | None = None,
-    num_beams: int | None = None,
-    ct2_dir: str | Path | None = None,
-    length_penalty: float | None = None,
-) -> tuple[CTranslate2Engine, PreTrainedTokenizerBase]:
-    """`CTranslate2Engine` of `model` (exported on first use, see `ctranslate2_export`) and the model's tokenizer.
-
-    Args:
-        model: a model directory or Hub id.
-        device: "cpu" (default) or "cuda".
-        num_beams: beam size; default the model's generation config (4, §6.1).
-        ct2_dir: where the export lives; default `MODEL_DIR/ctranslate2/` (for a Hub id, see `ctranslate2_export`).
-        length_penalty: alpha (§6.1) in the generation config's form; default the config's.
-
-    Raises:
-        ImportError: ctranslate2 is missing.
-        OSError, ValueError: from `ctranslate2_export`; ValueError: a beam size below 1, a length penalty
-            that is not finite, a device other than cpu, or cuda where CTranslate2 sees no GPU (refused
-            before any export).
-    """
-    check_num_beams(num_beams)
-    if length_penalty is not None:
-        check_length_penalty(length_penalty)
-    device = device or "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: the CTranslate2 engine runs on cpu or cuda.")
-    ctranslate2, _ = _import_ctranslate2()
-    if device == "cuda" and ctranslate2.get_cuda_device_count() == 0:
-        raise ValueError("device 'cuda': CTranslate2 sees no CUDA GPU here; use --device cpu.")
-    exported = ctranslate2_export(model, ct2_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    generation_config = GenerationConfig.from_pretrained(model)
-    engine = CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device, length_penalty)
-    return engine, tokenizer

@@ -1,9 +1,10 @@
 """`ServingConfig`: the settings of the HTTP server, and the one place where each is defined.
 
-The options of `vaswani-transformer serve` that shape the server (where it listens, how it batches,
-what one request may ask for) are generated from these fields (`cli.py`), as `train`'s are from
-`TrainingConfig`; `serving.serve` takes the config. This module imports neither FastAPI nor
-uvicorn, so that the command line knows the options and their defaults without the `serve` extra.
+The options `vaswani-transformer serve` adds to the inference options it shares with `translate` and `evaluate`
+(`InferenceConfig`): where it listens, how long it gathers a batch and what one request may ask for. They are
+generated from these fields (`cli.py`), as `train`'s are from `TrainingConfig`; `serving.serve` takes the config.
+This module imports neither FastAPI nor uvicorn, so that the command line knows the options without the `serve`
+extra.
 """
 
 import math
@@ -11,14 +12,8 @@ from dataclasses import dataclass
 
 from .options import option
 
-# What to do with a sentence over the model's limit, for `serve` and `translate` alike.
-LONG_INPUTS = ("truncate", "error")
-# Sentences per generate() call where the caller does not say (`translate`, the library's translate(), `serve`).
-BATCH_SIZE = 64
-# What translates, for `serve` and `translate` alike: the model's generate(), or its CTranslate2 export.
-ENGINES = ("torch", "ctranslate2")
 # The sections of `serve --help`.
-BATCHING = "micro-batching (one sentence at a time: --batch-wait-ms 0 --max-batch-sentences 1)"
+BATCHING = "micro-batching (one sentence at a time: --batch-wait-ms 0 --batch-size 1)"
 LIMITS = "limits of one request (HTTP 400 beyond them; 503 past --request-timeout)"
 
 
@@ -27,13 +22,14 @@ class ServingConfig:
     """How `vaswani-transformer serve` listens, batches and limits requests.
 
     Each field's meaning and unit is its `help` metadata, which `vaswani-transformer serve --help`
-    prints. The model, its engine and its languages are `serve`'s other arguments.
+    prints. The engine, decoding and batch size are `InferenceConfig`'s; the model and its languages are `serve`'s
+    arguments.
 
     See docs/serving.md, "Serving a translator over HTTP".
 
     Raises:
         ValueError: a wait outside 0 to 60,000 ms, a budget, limit or thread count below 1, a port outside 0
-            to 65535, a request timeout that is no finite number above 0, or an unknown `long_inputs`.
+            to 65535, or a request timeout that is no finite number above 0.
     """
 
     host: str = option("127.0.0.1", help="address to listen on", group="server")
@@ -51,7 +47,6 @@ class ServingConfig:
         5.0, help="after the first waiting request, collect others this many milliseconds", group=BATCHING
     )
     max_batch_tokens: int = option(4096, help="source tokens per generate() call", group=BATCHING)
-    max_batch_sentences: int = option(BATCH_SIZE, help="sentences per generate() call", group=BATCHING)
     char_limit: int = option(5000, help="characters of q, all texts together", group=LIMITS)
     batch_limit: int = option(64, help="texts in a list q", group=LIMITS)
     sentence_limit: int = option(
@@ -62,24 +57,16 @@ class ServingConfig:
         help="seconds a request may wait and be translated; past them, its untranslated sentences are dropped (503)",
         group=LIMITS,
     )
-    long_inputs: str = option(
-        "error",
-        help="a sentence longer than the model's limit (tokens): refuse the request, or truncate the sentence",
-        group=LIMITS,
-        choices=LONG_INPUTS,
-    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be a TCP port from 0 (the system chooses) to 65535, got {self.port}.")
         if not 0 <= self.batch_wait_ms <= 60_000:  # a wait the queue can time (inf would never answer)
             raise ValueError(f"--batch-wait-ms must be 0 to 60,000 milliseconds, got {self.batch_wait_ms}.")
-        for name in ("max_batch_tokens", "max_batch_sentences", "char_limit", "batch_limit", "sentence_limit"):
+        for name in ("max_batch_tokens", "char_limit", "batch_limit", "sentence_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
         if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
             raise ValueError(f"--request-timeout must be finite seconds above 0, got {self.request_timeout}.")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}.")
-        if self.long_inputs not in LONG_INPUTS:
-            raise ValueError(f"--long-inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}.")

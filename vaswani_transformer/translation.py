@@ -13,83 +13,19 @@ from pathlib import Path
 
 import evaluate
 import torch
-from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (
-    AutoModelForSeq2SeqLM,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from .compat_vaswani import VERY_LARGE_INTEGER
-from .export import CTranslate2Engine, _pickled_code_refused
 from .generation_vaswani import check_num_beams
-from .hub import check_model_exists
-from .serving_config import BATCH_SIZE, LONG_INPUTS
-from .tokenization import check_tokenizer_matches, tokenizer_lock
+from .inference import Engine, TorchEngine
+from .inference_config import BATCH_SIZE, LONG_INPUTS
+from .tokenization import tokenizer_lock
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 logger = logging.getLogger(__name__)
-
-
-def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id, and check that they fit.
-
-    See docs/robustness.md, "Bad input".
-
-    Args:
-        model_dir: what `from_pretrained` accepts.
-        device: "cpu", "cuda", "cuda:1", ...; None picks CUDA when available.
-
-    Raises:
-        OSError: the directory does not exist or holds no tokenizer, its weights file is damaged or a pickle of
-            more than tensors (refused, never run), or neither a directory nor the Hub holds such a model.
-        ValueError: `device` is no torch device or CUDA on a machine without it, `config.json` holds impossible values
-            (from `VaswaniConfig`), or the tokenizer does not match the model (see `check_tokenizer_matches`).
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise ValueError(f"device {device!r} is no torch device; give e.g. cpu, cuda or cuda:0.") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device {device!r}: this PyTorch sees no CUDA GPU; use --device cpu, or a CUDA build of torch."
-        )
-    local = Path(model_dir).expanduser()
-    if local.is_dir() and not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise OSError(f"{model_dir} holds no tokenizer (tokenizer.json); save one beside the model, as `train` does.")
-    check_model_exists(model_dir)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
-    except SafetensorError as error:
-        raise OSError(f"{model_dir}: model.safetensors is damaged ({error}); copy or download it again.") from error
-    except pickle.UnpicklingError as error:
-        raise _pickled_code_refused(model_dir) from error
-    except OSError as error:
-        if local.is_dir():
-            raise
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise OSError(
-            f"{model_dir} is not a directory here, and loading it from the Hub failed: {first_line}"
-        ) from error
-    check_tokenizer_matches(model.config, tokenizer, model_dir)
-    return model.to(device).eval(), tokenizer
-
-
-def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The longest source, in tokens with `</s>`, that `translate` gives the model, or None for no limit.
-
-    The tokenizer's `model_max_length` (training sets it to the longest training sentence,
-    `--max-length`) and, for learned positions (Table 3 row E), `max_position_embeddings`, beyond
-    which the model has no position vector. Sinusoidal positions (§3.5) set no limit of their own.
-    """
-    limits = [tokenizer.model_max_length] if tokenizer.model_max_length < VERY_LARGE_INTEGER else []
-    if getattr(model.config, "position_embedding_type", None) == "learned":
-        limits.append(model.config.max_position_embeddings)
-    return min(limits, default=None)
 
 
 # In a worker process of `map_in_workers`: the function it serves. The process belongs to one call, which set it.
@@ -190,8 +126,24 @@ def _mapped_in_workers(function: Callable, items: Iterator, num_workers: int) ->
         pool.shutdown(cancel_futures=True)
 
 
-def _check_num_workers(model: PreTrainedModel | CTranslate2Engine, num_workers: int) -> None:
-    if num_workers > 1 and (isinstance(model, CTranslate2Engine) or model.device.type != "cpu"):
+def as_engine(model: PreTrainedModel | Engine, tokenizer: PreTrainedTokenizerBase, generate_kwargs: dict) -> Engine:
+    """`model` as the engine `translate` drives: an `Engine` as it is, a model as a `TorchEngine`.
+
+    Raises:
+        ValueError: `generate_kwargs` with an engine, which took its decoding when it was made.
+    """
+    if not isinstance(model, Engine):
+        return TorchEngine(model, tokenizer, generate_kwargs)
+    if generate_kwargs:
+        raise ValueError(
+            f"An engine takes no generate() arguments ({', '.join(generate_kwargs)}): give num_beams or "
+            "length_penalty to inference.load_engine (its InferenceConfig), or translate with the model itself."
+        )
+    return model
+
+
+def _check_num_workers(engine: Engine, num_workers: int) -> None:
+    if num_workers > 1 and not engine.runs_in_cpu_workers:
         raise ValueError(
             f"num_workers={num_workers} (--num-workers) translates with the model in that many CPU processes of one "
             "thread each: use 1 for a model on a GPU or a CTranslate2 engine (which has its own inter_threads)."
@@ -199,75 +151,42 @@ def _check_num_workers(model: PreTrainedModel | CTranslate2Engine, num_workers: 
 
 
 class _Translator:
-    """Translates batches of sentences with `generate()`, or a `CTranslate2Engine`, applying the user's choice for
-    too-long sources.
+    """Translates batches of sentences with an engine, applying the user's choice for too-long sources.
 
-    Sources longer than `source_length_limit` (the engine's `source_limit`) are truncated to it with one warning
-    per instance (one per `translate` call or stream), or raise, as `long_inputs` says.
+    Sources longer than the engine's `source_limit` are truncated to it with one warning per instance (one per
+    `translate` call or stream), or raise, as `long_inputs` says.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel | CTranslate2Engine,
-        tokenizer: PreTrainedTokenizerBase,
-        batch_size: int,
-        long_inputs: str,
-        generate_kwargs: dict,
-    ) -> None:
+    def __init__(self, engine: Engine, batch_size: int, long_inputs: str) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
         if long_inputs not in LONG_INPUTS:
             raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {long_inputs!r}.")
-        if isinstance(model, CTranslate2Engine) and generate_kwargs:
-            raise ValueError(
-                f"A CTranslate2 engine takes no generate() arguments ({', '.join(generate_kwargs)}): pass num_beams "
-                "or length_penalty to export.load_ctranslate2_engine, or translate with the model from load_translator."
-            )
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.long_inputs, self.generate_kwargs = long_inputs, generate_kwargs
-        if isinstance(model, CTranslate2Engine):
-            self.limit, self.limit_name = model.source_limit, "the CTranslate2 export's limit"
-        else:
-            self.limit = source_length_limit(model, tokenizer)
-            learned = self.limit is not None and self.limit < tokenizer.model_max_length
-            self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
+        self.engine, self.batch_size, self.long_inputs = engine, batch_size, long_inputs
         self.warned = False
 
     def check_lengths(self, sentences: list[str], first_number: int) -> None:
         """Raise or warn (once) for sentences over the limit; `first_number` is the 1-based number of `sentences[0]`."""
-        if self.limit is None or self.warned or not sentences:  # the tokenizer fails on an empty list
+        limit, tokenizer = self.engine.source_limit, self.engine.tokenizer
+        if limit is None or self.warned or not sentences:  # the tokenizer fails on an empty list
             return
         # verbose=False: transformers would add its own warning about the length to ours.
-        with tokenizer_lock(self.tokenizer):
-            lengths = [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]]
-        too_long = next((i for i, length in enumerate(lengths) if length > self.limit), None)
+        with tokenizer_lock(tokenizer):
+            lengths = [len(ids) for ids in tokenizer(sentences, verbose=False)["input_ids"]]
+        too_long = next((i for i, length in enumerate(lengths) if length > limit), None)
         if too_long is None:
             return
         problem = (
             f"Sentence {first_number + too_long} has {lengths[too_long]} tokens, more than the model's limit of "
-            f"{self.limit} ({self.limit_name})"
+            f"{limit} ({self.engine.limit_name})"
         )
         if self.long_inputs == "error":
             raise ValueError(f"{problem}; shorten or split it, or pass long_inputs='truncate' (--long-inputs).")
         logger.warning(
-            f"{problem}: it and any other sentence that long are truncated to {self.limit} tokens "
+            f"{problem}: it and any other sentence that long are truncated to {limit} tokens "
             "(warned once); pass long_inputs='error' (--long-inputs error) to fail instead."
         )
         self.warned = True
-
-    @torch.inference_mode()
-    def translate_batch(self, sentences: list[str]) -> list[str]:
-        """Translate non-blank `sentences` (already checked) with one `generate()` call or CTranslate2 batch."""
-        if not sentences:
-            return []
-        if isinstance(self.model, CTranslate2Engine):
-            return self.model.translate(sentences)
-        with tokenizer_lock(self.tokenizer):
-            inputs = self.tokenizer(
-                sentences, return_tensors="pt", padding=True, truncation=self.limit is not None, max_length=self.limit
-            ).to(self.model.device)
-        output_ids = self.model.generate(**inputs, **self.generate_kwargs)
-        return [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
 
     def translate(self, sentences: list[str], num_workers: int = 1, progress: tqdm | None = None) -> list[str]:
         """Translate `sentences` (already checked) in batches of similar length; the output keeps their order.
@@ -279,7 +198,7 @@ class _Translator:
         order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
         chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         batches = [[i for i in chunk if sentences[i].strip()] for chunk in chunks]  # blank lines stay blank
-        translated = map_in_workers(self.translate_batch, ([sentences[i] for i in b] for b in batches), num_workers)
+        translated = map_in_workers(self.engine.translate, ([sentences[i] for i in b] for b in batches), num_workers)
         translations = [""] * len(sentences)
         for chunk, batch, texts in zip(chunks, batches, translated, strict=True):
             for i, text in zip(batch, texts, strict=True):
@@ -308,7 +227,7 @@ def _warn_of_empty_translations(numbers: list[int], non_blank: int) -> None:
 
 
 def translate(
-    model: PreTrainedModel | CTranslate2Engine,
+    model: PreTrainedModel | Engine,
     tokenizer: PreTrainedTokenizerBase,
     sentences: list[str],
     batch_size: int = BATCH_SIZE,
@@ -324,14 +243,15 @@ def translate(
     any is translated, so `long_inputs="error"` fails before doing work.
 
     Args:
-        model, tokenizer: from `load_translator`, or from `export.load_ctranslate2_engine` (CTranslate2's beam
-            search, nearly always the same translations: see `export.CTranslate2Engine`; then no `generate_kwargs`).
+        model, tokenizer: from `inference.load_translator`, or an engine from `inference.load_engine` (with
+            `engine="ctranslate2"`, CTranslate2's beam search, nearly always the same translations: see
+            `inference.CTranslate2Engine`; an engine takes no `generate_kwargs`) and its tokenizer.
         sentences: source sentences; an empty (or blank) string translates to an empty string, an
             empty list to an empty list, without calling the model.
         batch_size: sentences per `generate()` call.
         progress: show a progress bar (in sentences).
-        long_inputs: for sources longer than `source_length_limit` (tokens): "truncate" them to
-            it with one warning (logged), or "error".
+        long_inputs: for sources longer than the engine's `source_limit` (tokens): "error" (the default:
+            `InferenceConfig`'s), or "truncate" them to it with one warning (logged).
         num_workers: CPU processes that translate batches side by side, one thread each
             (`map_in_workers`; Linux and other Unixes, not macOS or Windows); 1 (the default)
             translates here with PyTorch's threads.
@@ -343,14 +263,15 @@ def translate(
 
     Raises:
         TypeError: `sentences` is one string, not a list of them.
-        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with a CTranslate2 engine,
+        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with an engine,
             `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, or (with "error") a
             source over the limit; the message names the sentence (1-based) and its length.
     """
     if isinstance(sentences, str):  # else each character would be translated as a sentence of its own
         raise TypeError("translate() takes a list of sentences: write translate(model, tokenizer, [sentence]).")
-    _check_num_workers(model, num_workers)
-    translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
+    engine = as_engine(model, tokenizer, generate_kwargs)
+    _check_num_workers(engine, num_workers)
+    translator = _Translator(engine, batch_size, long_inputs)
     translator.check_lengths(sentences, first_number=1)
     with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
         translations = translator.translate(sentences, num_workers, bar)
@@ -359,7 +280,7 @@ def translate(
 
 
 def translate_stream(
-    model: PreTrainedModel | CTranslate2Engine,
+    model: PreTrainedModel | Engine,
     tokenizer: PreTrainedTokenizerBase,
     lines: Iterable[str],
     batch_size: int = BATCH_SIZE,
@@ -382,8 +303,9 @@ def translate_stream(
     """
     if isinstance(lines, str):  # else each character would be translated as a line of its own
         raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
-    _check_num_workers(model, num_workers)
-    translator = _Translator(model, tokenizer, batch_size, long_inputs, generate_kwargs)
+    engine = as_engine(model, tokenizer, generate_kwargs)
+    _check_num_workers(engine, num_workers)
+    translator = _Translator(engine, batch_size, long_inputs)
     handed_out: deque[list[str]] = deque()  # the batches given to the workers, whose translations come back in order
 
     def checked_batches(lines: Iterator[str]) -> Iterator[list[str]]:
@@ -464,7 +386,8 @@ def validation_bleu(
     """
     model.eval()
     try:
-        hypotheses = translate(model, tokenizer, sources, BATCH_SIZE)
+        # A development set's long sentence is truncated, as it was in training, not fatal to the run.
+        hypotheses = translate(model, tokenizer, sources, BATCH_SIZE, long_inputs="truncate")
     finally:  # a failed validation must not leave the run training without dropout
         model.train()
     return round(corpus_bleu(hypotheses, references)["score"], 2)
@@ -488,7 +411,7 @@ def choose_decoding(
     generation config is left as it was.
 
     Args:
-        model, tokenizer: from `load_translator`, or a model being trained (in eval mode).
+        model, tokenizer: from `inference.load_translator`, or a model being trained (in eval mode).
         sources, references: the development set, aligned, one sentence each (never the test set).
         num_beams: beam sizes to try, each at least 1.
         length_penalties: GNMT length-penalty alphas to try (§6.1; the model's `length_penalty_type`).
@@ -510,7 +433,9 @@ def choose_decoding(
         # Greedy search (1 beam) has no length penalty: it is tried once, recorded with None.
         for alpha in length_penalties if beams > 1 else [None]:
             penalty = {} if alpha is None else {"length_penalty": alpha}
-            hypotheses = translate(model, tokenizer, sources, batch_size, num_beams=beams, **penalty)
+            hypotheses = translate(
+                model, tokenizer, sources, batch_size, long_inputs="truncate", num_beams=beams, **penalty
+            )
             bleu = round(corpus_bleu(hypotheses, references)["score"], 2)
             tried.append({"num_beams": beams, "length_penalty": alpha, "bleu": bleu})
     best = max(tried, key=lambda t: t["bleu"])  # max keeps the first of equal scores
