@@ -15,7 +15,7 @@ import sys
 import threading
 
 __all__ = ["PRESETS", "VaswaniConfig", "VaswaniForConditionalGeneration", "VaswaniModel", "VaswaniPreTrainedModel"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _MODULE_OF = {
     "PRESETS": "configuration_vaswani",

@@ -24,10 +24,10 @@
 # to the first, poor checkpoints on a machine that makes fewer steps. The earlier 3-hour form is
 #   TRAIN_MINUTES=165 bash scripts/recipes/multi30k.sh DATA OUT en de \
 #       --model-option d_ff=256 --model-option dropout=0.3 --warmup-steps 2000 --learning-rate-scale 2.5
-# Options after the languages are passed on to `train` and replace these (scripts/main_job.sh
-# uses that). Run it again after an interruption: it resumes. Each test set's scores land in
-# OUTPUT_DIR/NAME.bleu.json (one JSON line, as `evaluate` prints it) beside its translations,
-# NAME.hyp.TGT. The last line printed is the directory of the model.
+# Options after the languages are passed on to `train` and replace these. Run it again after an
+# interruption: it resumes. Each test set's scores land in OUTPUT_DIR/NAME.bleu.json (one JSON line, as
+# `evaluate` prints it) beside its translations, NAME.hyp.TGT (score_tests.sh); they are also printed on
+# stderr. The last line printed is the directory of the model.
 set -euo pipefail
 usage="usage: multi30k.sh DATA_DIR OUTPUT_DIR [SOURCE_LANG TARGET_LANG [TRAIN_OPTION ...]]"
 DATA_DIR=${1:?$usage}
@@ -35,22 +35,14 @@ OUTPUT_DIR=${2:?$usage}
 SRC=${3:-en}
 TGT=${4:-de}
 shift $(( $# < 4 ? $# : 4 ))
-shopt -s nullglob
-tests=("$DATA_DIR"/test*."$SRC")
-if (( ${#tests[@]} == 0 )); then  # before the training, not after it
-    echo "multi30k.sh: $DATA_DIR holds no test*.$SRC file to score the model on." >&2
-    exit 2
-fi
+score="$(dirname "$0")/score_tests.sh"
+bash "$score" "$DATA_DIR" "$OUTPUT_DIR" "$SRC" "$TGT" --check  # before the training, not after it
 
 vaswani-transformer train --data-dir "$DATA_DIR" --source-lang "$SRC" --target-lang "$TGT" --output-dir "$OUTPUT_DIR" \
     --preset tiny --model-option d_ff=512 --model-option dropout=0.2 --vocab-size 8000 --max-tokens 4096 \
     --warmup-steps 1000 --max-minutes "${TRAIN_MINUTES:-85}" --log-steps 100 --eval-steps 2000 \
     --bleu-sentences 300 --save-steps 0 --save-minutes 2 --average-last 20 --choose-num-beams 4 \
     --choose-length-penalty 0.6 1.0 1.4 1.8 2.2 2.6 3.0 --mixed-precision auto --resume "$@" >&2
-for test in "${tests[@]}"; do
-    name=$(basename "$test" ."$SRC")
-    vaswani-transformer evaluate --model "$OUTPUT_DIR" --source "$test" --reference "$DATA_DIR/$name.$TGT" \
-        --output "$OUTPUT_DIR/$name.hyp.$TGT" --dataset-name "$(basename "$DATA_DIR")" --split "$name" \
-        | tee "$OUTPUT_DIR/$name.bleu.json" >&2
-done
+bash "$score" "$DATA_DIR" "$OUTPUT_DIR" "$SRC" "$TGT"
+cat "$OUTPUT_DIR"/test*.bleu.json >&2
 echo "$OUTPUT_DIR"
