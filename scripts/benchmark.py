@@ -97,12 +97,14 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
     from vaswani_transformer.data import TokenBatchSampler, load_parallel_corpus, text_batches, tokenize_corpus
     from vaswani_transformer.export import export_ctranslate2
     from vaswani_transformer.tokenization import train_tokenizer
+    from vaswani_transformer.training_config import TrainingConfig
 
     corpus = load_parallel_corpus(args.data_dir, "en", "de")
     tokenizer = train_tokenizer(text_batches(corpus, ["en", "de"]), vocab_size=args.vocab_size)
 
     # Training batches: the first sentence pairs of the training set, batched as `train` batches them.
-    train = tokenize_corpus(corpus, tokenizer, "en", "de")["train"].select(range(args.train_sentences))
+    max_length = TrainingConfig.max_length  # as `train` keeps them
+    train = tokenize_corpus(corpus, tokenizer, "en", "de", max_length)["train"].select(range(args.train_sentences))
     sampler = TokenBatchSampler(train["source_length"], train["target_length"], args.max_tokens, seed=0)
     batches = []
     for indices in list(sampler)[: args.train_warmup + args.train_steps]:

@@ -1,11 +1,14 @@
 """MicroBatcher: many requests' sentences in shared batches, requests taking turns (fair queueing)."""
 
+import math
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import pytest
 
-from vaswani_transformer.micro_batching import MicroBatcher
+from vaswani_transformer.micro_batching import MicroBatcher, _Job, take_turns
 
 
 class _Blocking:
@@ -108,3 +111,20 @@ def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_
     assert batcher.sentences_in_flight == 0
     with pytest.raises(RuntimeError, match="shutting down"):
         batcher.submit(["late"], [1])
+
+
+def test_take_turns_gives_each_request_one_sentence_in_turn_within_the_budgets():
+    def job(lengths: list[int]) -> _Job:
+        sentences = [f"s{i}" for i in range(len(lengths))]
+        return _Job(sentences, lengths, Future(), None, math.inf, [None] * len(lengths))
+
+    big, small = job([1, 1, 1, 1, 1]), job([1])
+    turns = deque([big, small])
+    assert take_turns(turns, 4, 100) == [(big, 0), (small, 0), (big, 1), (big, 2)]  # the small one is not held up
+    assert list(turns) == [big] and big.taken == 3 and small.taken == 1
+    assert take_turns(turns, 4, 1) == [(big, 3)]  # the token budget closes the batch
+    long = job([10, 1])
+    turns = deque([long])
+    assert take_turns(turns, 4, 5) == [(long, 0)]  # a sentence over the budget is a batch of its own
+    assert take_turns(turns, 4, 5) == [(long, 1)] and not turns
+    assert take_turns(turns, 4, 5) == []

@@ -38,14 +38,44 @@ class _Job:
 _STOP = object()
 
 
+def take_turns(turns: deque[_Job], batch_size: int, max_batch_tokens: int) -> list[tuple[_Job, int]]:
+    """The next batch, one sentence of each waiting request in turn (fair queueing: round-robin over requests).
+
+    Takes the next sentence of the request at the head of `turns`, sends that request to the back if it has
+    sentences left, and so on, until the batch holds `batch_size` sentences or the next sentence would bring it
+    over `max_batch_tokens` source tokens (a sentence over the budget is a batch of its own).
+
+    See docs/serving.md, "Micro-batching".
+
+    Args:
+        turns: the requests with sentences not yet in a batch, in their turn's order; updated in place.
+        batch_size: sentences per batch, at least 1.
+        max_batch_tokens: source tokens per batch, all sentences together.
+
+    Returns:
+        (request, index of its sentence) pairs, in the order taken; empty when no request waits.
+    """
+    batch: list[tuple[_Job, int]] = []
+    tokens = 0
+    while turns and len(batch) < batch_size:
+        job = turns[0]
+        length = job.lengths[job.taken]
+        if batch and tokens + length > max_batch_tokens:
+            break
+        turns.popleft()
+        batch.append((job, job.taken))
+        job.taken, tokens = job.taken + 1, tokens + length
+        if job.taken < len(job.sentences):
+            turns.append(job)
+    return batch
+
+
 class MicroBatcher:
     """Translates the sentences of many requests in shared batches, on one worker thread; requests take turns.
 
     Requests wait in turn, oldest first. For each batch the worker takes one sentence of each
-    request in turn, again and again, until the batch holds `batch_size` sentences or
-    the next sentence would bring it over `max_batch_tokens` source tokens (a sentence over the
-    budget is a batch of its own); a request with sentences left goes back to the end of the
-    turns. A request of 2,500 sentences thus shares every batch with the requests that come after
+    request in turn, up to `batch_size` sentences and `max_batch_tokens` source tokens (`take_turns`).
+    A request of 2,500 sentences thus shares every batch with the requests that come after
     it, instead of holding the model until it is done (fair queueing: round-robin over requests).
     While the waiting sentences do not fill a batch, the worker first collects new requests for
     up to `batch_wait_ms` milliseconds. It translates a batch with one call of `translate_fn` and
@@ -192,19 +222,7 @@ class MicroBatcher:
         for job in [job for job in self._turns if job.deadline < now]:
             done = f"{job.answered} of its {len(job.sentences)} sentences were"
             self._fail(job, TimeoutError(f"the request was not translated within {job.timeout:g} s ({done})"))
-        batch: list[tuple[_Job, int]] = []
-        tokens = 0
-        while self._turns and len(batch) < self.batch_size:
-            job = self._turns[0]
-            length = job.lengths[job.taken]
-            if batch and tokens + length > self.max_batch_tokens:
-                break
-            self._turns.popleft()
-            batch.append((job, job.taken))
-            job.taken, tokens = job.taken + 1, tokens + length
-            if job.taken < len(job.sentences):
-                self._turns.append(job)
-        return batch
+        return take_turns(self._turns, self.batch_size, self.max_batch_tokens)
 
     def _run(self) -> None:
         stopping = False
