@@ -93,12 +93,12 @@ def test_checkpoint_averaging_is_the_mean_of_the_weights(tmp_path):
 
 
 def test_mixed_precision_auto_is_chosen_once_per_run_and_recorded(mini_corpus, tmp_path, monkeypatch):
-    from vaswani_transformer import ops_vaswani, training
+    from vaswani_transformer import training
 
     with pytest.raises(ValueError, match="mixed_precision must be one of no, bf16, fp16, auto"):
         mini_run(mini_corpus, tmp_path / "refused", mixed_precision="bf32")
     for faster, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(ops_vaswani, "bfloat16_products_are_faster", lambda faster=faster: faster)
+        monkeypatch.setattr(training, "bfloat16_products_are_faster", lambda faster=faster: faster)
         assert training.fastest_mixed_precision(torch.device("cpu")) == expected
     assert training.fastest_mixed_precision(torch.device("meta")) == "no"
     measured, precisions, accelerator = [], [], training.Accelerator

@@ -426,30 +426,6 @@ def bfloat16_products_are_faster() -> bool:
 # §5.4 Residual dropout ----------------------------------------------------------------------------
 
 
-def fastest_mixed_precision(device: torch.device) -> str:
-    """What `--mixed-precision auto` trains in on `device`: "bf16" where it is clearly faster, else "no".
-
-    Mixed precision is not in the paper (§5.2 names only its 8 P100 GPUs); it changes the rounding of
-    the products, not the model. On a CUDA GPU, "bf16" from compute capability 8.0
-    (Ampere), whose matrix units compute bfloat16 (older GPUs emulate it). On the CPU it is measured,
-    since it depends on the processor's instructions: "bf16" where
-    `bfloat16_products_are_faster()`, as on CPUs with AVX512_BF16 or AMX
-    (docs/performance.md, "Mixed precision on CPUs"). Weights, Adam's state, the softmax over the
-    vocabulary and, on CPUs where that is faster, attention stay in float32. Other devices: "no".
-
-    Args:
-        device: the device training runs on.
-
-    Returns:
-        "bf16" or "no", a value of `TrainingConfig.mixed_precision`.
-    """
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "no"
-    if device.type == "cpu":
-        return "bf16" if bfloat16_products_are_faster() else "no"
-    return "no"
-
-
 def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Zero each element with probability p and scale the others by 1 / (1 - p) (§5.4, "Residual Dropout").
 
