@@ -7,6 +7,7 @@ small model trained on Multi30k (`trained_model_dir`); its translations are comp
 
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -474,3 +475,17 @@ def test_the_page_translates_in_headless_chromium(server, sentences, references,
         shown == call(f"{server.url}/translate", {"q": sentence, "source": "en", "target": "de"})[1]["translatedText"]
     )
     assert shown == references[sentence]
+
+
+def test_serve_logs_the_sentences_an_engine_translates_to_nothing(caplog):
+    from vaswani_transformer.serving import _logging_empty
+
+    class Ending:  # an engine whose beam search ends one sentence at its first step
+        def translate(self, sentences: list[str]) -> list[str]:
+            return ["" if "<script>" in s else s.upper() for s in sentences]
+
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
+        assert _logging_empty(Ending())(["a dog.", "Two <script>alert(2)</script> men."]) == ["A DOG.", ""]
+        assert _logging_empty(Ending())(["a cat."]) == ["A CAT."]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.translation"]
+    assert len(warnings) == 1 and warnings[0].startswith("1 of 2 non-blank sentences translated to an empty string")

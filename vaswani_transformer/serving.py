@@ -28,7 +28,7 @@ import math
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from pathlib import Path
 
@@ -46,12 +46,13 @@ except ImportError as error:
 from transformers import PreTrainedTokenizerBase
 
 from .hub import check_model_exists
-from .inference import load_engine
+from .inference import Engine, load_engine
 from .inference_config import BATCH_SIZE, InferenceConfig
 from .micro_batching import MicroBatcher
 from .serving_config import ServingConfig
 from .serving_requests import Limits, RequestError, parse_translate_request, request_fields
 from .text_format import split_text
+from .translation import warn_of_empty_translations
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +256,16 @@ def create_app(
     return app
 
 
+def _logging_empty(engine: Engine) -> Callable[[list[str]], list[str]]:
+    # The engine's translate, logging the batches' non-blank sentences translated to "" (one warning a batch).
+    def translate(sentences: list[str]) -> list[str]:
+        translations = engine.translate(sentences)
+        warn_of_empty_translations(sentences, translations)
+        return translations
+
+    return translate
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, which prints one line with the address once it accepts connections."""
 
@@ -319,7 +330,7 @@ def serve(
             torch.set_num_threads(threads)
         engine = load_engine(model, inference)
         batch_size = inference.batch_size or BATCH_SIZE
-        batcher = MicroBatcher(engine.translate, config.batch_wait_ms, config.max_batch_tokens, batch_size)
+        batcher = MicroBatcher(_logging_empty(engine), config.batch_wait_ms, config.max_batch_tokens, batch_size)
         limits = Limits(
             config.char_limit,
             config.batch_limit,

@@ -226,6 +226,15 @@ def _warn_of_empty_translations(numbers: list[int], non_blank: int) -> None:
         )
 
 
+def warn_of_empty_translations(sentences: list[str], translations: list[str]) -> None:
+    """Log one warning counting the non-blank `sentences` whose translation is empty, if any.
+
+    Beam search can end a sentence at its first step; `translate`, `translate_stream` and `serve` (per batch)
+    say so, because an empty line among the output is easy to miss. See docs/robustness.md, "Bad input".
+    """
+    _warn_of_empty_translations(_empty_translations(sentences, translations), sum(bool(s.strip()) for s in sentences))
+
+
 def translate(
     model: PreTrainedModel | Engine,
     tokenizer: PreTrainedTokenizerBase,
@@ -275,7 +284,7 @@ def translate(
     translator.check_lengths(sentences, first_number=1)
     with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
         translations = translator.translate(sentences, num_workers, bar)
-    _warn_of_empty_translations(_empty_translations(sentences, translations), sum(bool(s.strip()) for s in sentences))
+    warn_of_empty_translations(sentences, translations)
     return translations
 
 
