@@ -34,29 +34,38 @@ RUN_FIELDS = (
 MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
 
 
+def _require_positive(config: object, *names: str) -> None:
+    # The sizes, steps and counts of a config that only a positive value makes sense of.
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}.")
+
+
 @dataclass
-class TrainingConfig:
-    """Everything a training run needs (§5); `vaswani-transformer train` fills it from its options.
+class DataConfig:
+    """What a run reads and where it writes: the parallel corpus (§5.1) and the output directory.
 
-    Each field's meaning and unit is its `help` metadata, which `vaswani-transformer train --help`
-    prints. `data` and `files` name the corpus (see `data.load_parallel_corpus`); on the command line
-    they come from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
-
-    Raises:
-        ValueError: no budget (neither `max_steps` nor `max_minutes`), or one that is not finite; a size,
-            budget, learning-rate scale, `peak_tflops` or patience that is not positive; a negative
-            `bleu_sentences`; no checkpoint clock (`save_steps` and `save_minutes` both 0) or a negative one;
-            fewer checkpoints kept than averaged;
-            Adam betas outside [0, 1) or a negative `adam_epsilon`; an unknown `mixed_precision` or
-            `preset`; a beam size below 1 or a length penalty that is no finite number to choose from; or a
-            `model_overrides` key that is no VaswaniConfig field, is set from the tokenizer, or has an
-            impossible value.
+    `data` and `files` name the corpus (see `data.load_parallel_corpus`); on the command line they come
+    from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
     """
 
     data: str
     source_lang: str = option(help="source language code, the corpus files' extension (e.g. en)", group="corpus")
     target_lang: str = option(help="target language code (e.g. de)", group="corpus")
     output_dir: str = option(help="where the model, tokenizer, log and checkpoints are written", group="output")
+    dataset_config: str | None = option(None, help="configuration of --dataset, e.g. de-en", group="corpus")
+    files: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """The model a run trains: a preset of Table 3 (or for CPUs), changed field by field, and its vocabulary (§5.1).
+
+    Raises:
+        ValueError: an unknown `preset`; a `model_overrides` key that is no VaswaniConfig field or is set from
+            the tokenizer, or an impossible value; a `vocab_size` that is not positive.
+    """
+
     preset: str = option(
         "base", help="model size: Table 3's base or big, or small or tiny for CPUs", group="model", choices=PRESETS
     )
@@ -75,6 +84,37 @@ class TrainingConfig:
         help="shared BPE vocabulary, in tokens (§5.1: about 37,000 for WMT14 En-De)",
         group="model",
     )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "vocab_size")
+        self._check_model_overrides()
+
+    def _check_model_overrides(self) -> None:
+        # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
+        # that nothing reads, and an impossible value would fail only when the model is built.
+        fields = [name for name in VaswaniConfig.__annotations__ if name not in TOKENIZER_FIELDS]
+        fields.append("attn_implementation")  # transformers' choice of attention code (eager: Eq. 1 spelled out)
+        for key in self.model_overrides:
+            if key in TOKENIZER_FIELDS:
+                raise ValueError(
+                    f"model_overrides (--model-option) cannot set {key}: it comes from the tokenizer "
+                    "(--vocab-size sets the size of the one trained, --tokenizer gives another)."
+                )
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+                hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(fields)}."
+                raise ValueError(f"model_overrides (--model-option): {key} is no VaswaniConfig field{hint}")
+        VaswaniConfig.from_preset(self.preset, **self.model_overrides)
+
+
+@dataclass
+class BatchConfig:
+    """The batches of §5.1: sentence pairs of similar length, about `max_tokens` tokens per side, accumulated.
+
+    Raises:
+        ValueError: a size that is not positive.
+    """
+
     max_length: int = option(256, help="longest training sentence, in tokens; longer pairs are left out")
     max_tokens: int = option(4096, help="padded tokens per batch, per side and device (§5.1)")
     update_freq: int = option(
@@ -82,6 +122,20 @@ class TrainingConfig:
         help="batches accumulated per optimizer step and device: a step sees max-tokens x update-freq x processes "
         "tokens per side (the paper's ~25,000 is e.g. 4096 x 6 on one device)",
     )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "max_length", "max_tokens", "update_freq")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer of §5.3: Adam, and the learning rate of Eq. 3 with its warm-up.
+
+    Raises:
+        ValueError: a `warmup_steps` that is not positive, a learning-rate scale that is no positive number,
+            Adam betas outside [0, 1) or a negative `adam_epsilon`.
+    """
+
     learning_rate_scale: float = option(
         1.0, help="factor on the learning rate of §5.3, Eq. 3: d_model^-0.5 min(step^-0.5, step warmup^-1.5)"
     )
@@ -89,6 +143,27 @@ class TrainingConfig:
     adam_beta1: float = option(0.9, help="Adam's beta_1 (§5.3: 0.9)")
     adam_beta2: float = option(0.98, help="Adam's beta_2 (§5.3: 0.98)")
     adam_epsilon: float = option(1e-9, help="Adam's epsilon (§5.3: 1e-9)")
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "warmup_steps")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1) (§5.3: 0.9 and 0.98), got {getattr(self, name)}.")
+        if not self.adam_epsilon >= 0.0:
+            raise ValueError(f"adam_epsilon must not be negative (§5.3: 1e-9), got {self.adam_epsilon}.")
+        if not (math.isfinite(self.learning_rate_scale) and self.learning_rate_scale > 0):
+            raise ValueError(f"learning_rate_scale must be a positive number, got {self.learning_rate_scale}.")
+
+
+@dataclass
+class BudgetConfig:
+    """How long a run trains, how often it logs and validates, and when it stops early (§5.2's budget, in steps).
+
+    Raises:
+        ValueError: no budget (neither `max_steps` nor `max_minutes`), or one that is not finite and positive;
+            a log or validation interval or a patience that is not positive; a negative `bleu_sentences`.
+    """
+
     max_steps: int | None = option(None, help="stop after this many optimizer steps (give this or --max-minutes)")
     max_minutes: float | None = option(
         None, help="stop after this many minutes of training, resumed runs included (give this or --max-steps)"
@@ -101,6 +176,34 @@ class TrainingConfig:
     early_stopping_patience: int | None = option(
         None, help="stop after this many validations without a better BLEU (or loss, without BLEU); none: never"
     )
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.max_minutes is None:
+            raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
+        for name in ("max_steps", "max_minutes"):  # nan compares false with everything: it would never stop a run
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"{name} must be positive and finite, got {getattr(self, name)}; leave it out for no such limit."
+                )
+        _require_positive(self, "log_steps", "eval_steps")
+        if self.bleu_sentences < 0:
+            raise ValueError(f"bleu_sentences must be 0 (no BLEU) or more, got {self.bleu_sentences}.")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(
+                f"early_stopping_patience must be at least 1 validation, got {self.early_stopping_patience}; "
+                "leave it out never to stop early."
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """A run's checkpoints: when they are written, and how many are kept and averaged into the model (§6.1).
+
+    Raises:
+        ValueError: no checkpoint clock (`save_steps` and `save_minutes` both 0) or a negative one; an
+            `average_last` that is not positive, or fewer checkpoints kept than averaged.
+    """
+
     save_steps: int = option(
         500, help="a checkpoint every this many steps (0: by --save-minutes only)", group="checkpoints and faults"
     )
@@ -115,6 +218,32 @@ class TrainingConfig:
         group="checkpoints and faults",
     )
     average_last: int = option(5, help="average this many last checkpoints into the model (§6.1: 5 base, 20 big)")
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "average_last")
+        if self.save_minutes is None:  # None meant "by steps only" before 0 did
+            self.save_minutes = 0.0
+        if self.save_steps < 0 or self.save_minutes < 0 or not (self.save_steps or self.save_minutes):
+            raise ValueError(
+                f"save_steps and save_minutes must not be negative, and one must be positive (0 turns a clock off), "
+                f"got save_steps={self.save_steps} and save_minutes={self.save_minutes}."
+            )
+        if self.keep_checkpoints is None:
+            self.keep_checkpoints = self.average_last
+        if self.keep_checkpoints < self.average_last:
+            raise ValueError(
+                f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
+            )
+
+
+@dataclass
+class DecodingConfig:
+    """The decoding a run chooses for its model on the development set, as §6.1 chose beam size and length penalty.
+
+    Raises:
+        ValueError: a beam size below 1, or a length penalty that is no finite number, to choose from.
+    """
+
     choose_num_beams: list[int] = option(
         [],
         help="after averaging, choose the beam size among these by BLEU on the whole validation set, as §6.1 chose "
@@ -131,6 +260,26 @@ class TrainingConfig:
         nargs="+",
         metavar="ALPHA",
     )
+
+    def __post_init__(self) -> None:
+        for name, values, check in (
+            ("choose_num_beams", self.choose_num_beams, check_num_beams),
+            ("choose_length_penalty", self.choose_length_penalty, check_length_penalty),
+        ):
+            try:
+                for value in values:
+                    check(value)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+
+
+@dataclass
+class FaultConfig:
+    """What a run survives: being killed (it resumes from its last checkpoint), a changed corpus, a non-finite loss.
+
+    See docs/training.md, "Training at scale, and runs that survive being killed".
+    """
+
     resume: bool = option(
         False,
         help="continue the run saved in OUTPUT_DIR/checkpoints where its last checkpoint left it "
@@ -148,6 +297,16 @@ class TrainingConfig:
         help="skip (and count) steps whose loss is NaN or infinite instead of stopping the run",
         group="checkpoints and faults",
     )
+
+
+@dataclass
+class ComputeConfig:
+    """How a run computes and reports: its precision, compilation, the device's peak for the MFU, trackers, seed.
+
+    Raises:
+        ValueError: an unknown `mixed_precision`, or a `peak_tflops` that is not positive.
+    """
+
     mixed_precision: str = option(
         "no",
         help="Accelerate's mixed precision; auto: bf16 where this machine computes it clearly faster than float32 "
@@ -168,72 +327,54 @@ class TrainingConfig:
     )
     report_to: list[str] = option([], help="an Accelerate tracker to log to, e.g. tensorboard (repeatable)")
     seed: int = option(1, help="random seed of initialisation, dropout and batch order")
-    dataset_config: str | None = option(None, help="configuration of --dataset, e.g. de-en", group="corpus")
-    files: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_steps is None and self.max_minutes is None:
-            raise ValueError("Give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes).")
-        for name in ("max_steps", "max_minutes"):  # nan compares false with everything: it would never stop a run
-            if getattr(self, name) is not None and not 0 < getattr(self, name) < math.inf:
-                raise ValueError(
-                    f"{name} must be positive and finite, got {getattr(self, name)}; leave it out for no such limit."
-                )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}; leave it out to look it up.")
-        for name in (
-            "vocab_size",
-            "max_length",
-            "max_tokens",
-            "update_freq",
-            "warmup_steps",
-            "log_steps",
-            "eval_steps",
-            "average_last",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must lie in [0, 1) (§5.3: 0.9 and 0.98), got {getattr(self, name)}.")
-        if not self.adam_epsilon >= 0.0:
-            raise ValueError(f"adam_epsilon must not be negative (§5.3: 1e-9), got {self.adam_epsilon}.")
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(
                 f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}; got {self.mixed_precision!r}."
             )
-        if self.save_minutes is None:  # None meant "by steps only" before 0 did
-            self.save_minutes = 0.0
-        if self.save_steps < 0 or self.save_minutes < 0 or not (self.save_steps or self.save_minutes):
-            raise ValueError(
-                f"save_steps and save_minutes must not be negative, and one must be positive (0 turns a clock off), "
-                f"got save_steps={self.save_steps} and save_minutes={self.save_minutes}."
-            )
-        for name, values, check in (
-            ("choose_num_beams", self.choose_num_beams, check_num_beams),
-            ("choose_length_penalty", self.choose_length_penalty, check_length_penalty),
-        ):
-            try:
-                for value in values:
-                    check(value)
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}") from None
-        if not (math.isfinite(self.learning_rate_scale) and self.learning_rate_scale > 0):
-            raise ValueError(f"learning_rate_scale must be a positive number, got {self.learning_rate_scale}.")
-        if self.bleu_sentences < 0:
-            raise ValueError(f"bleu_sentences must be 0 (no BLEU) or more, got {self.bleu_sentences}.")
-        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
-            raise ValueError(
-                f"early_stopping_patience must be at least 1 validation, got {self.early_stopping_patience}; "
-                "leave it out never to stop early."
-            )
-        self._check_model_overrides()
-        if self.keep_checkpoints is None:
-            self.keep_checkpoints = self.average_last
-        if self.keep_checkpoints < self.average_last:
-            raise ValueError(
-                f"keep_checkpoints ({self.keep_checkpoints}) must be at least average_last ({self.average_last})."
-            )
+
+
+# A dataclass lists the fields of its last base first: the options of `train --help` follow the order of the groups
+# from DataConfig on.
+@dataclass
+class TrainingConfig(
+    ComputeConfig,
+    FaultConfig,
+    DecodingConfig,
+    CheckpointConfig,
+    BudgetConfig,
+    OptimizerConfig,
+    BatchConfig,
+    ModelConfig,
+    DataConfig,
+):
+    """Everything a training run needs (§5); `vaswani-transformer train` fills it from its options.
+
+    Each field's meaning and unit is its `help` metadata, which `vaswani-transformer train --help`
+    prints. The fields come in groups, one dataclass each, that check their own values: `DataConfig`
+    (the corpus and output directory), `ModelConfig`, `BatchConfig` (§5.1), `OptimizerConfig` (§5.3),
+    `BudgetConfig`, `CheckpointConfig` (§6.1), `DecodingConfig` (§6.1), `FaultConfig` and `ComputeConfig`.
+
+    Raises:
+        ValueError: a value that a group refuses (each group's docstring says which), the budget checked first.
+    """
+
+    def __post_init__(self) -> None:
+        # Each group checks its own fields; first the budget, the one choice that no default makes.
+        checked = (
+            BudgetConfig,
+            ModelConfig,
+            BatchConfig,
+            OptimizerConfig,
+            CheckpointConfig,
+            DecodingConfig,
+            ComputeConfig,
+        )
+        for group in checked:
+            group.__post_init__(self)
 
     def check_resumes(self, record: dict, corpus: dict | None = None) -> list[str]:
         """Refuse to resume a run whose settings, or corpus files, differ from those it started with.
@@ -291,23 +432,6 @@ class TrainingConfig:
                 "started with, or pass --allow-data-change to continue on the new data from the last checkpoint."
             )
         return data_changes
-
-    def _check_model_overrides(self) -> None:
-        # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
-        # that nothing reads, and an impossible value would fail only when the model is built.
-        fields = [name for name in VaswaniConfig.__annotations__ if name not in TOKENIZER_FIELDS]
-        fields.append("attn_implementation")  # transformers' choice of attention code (eager: Eq. 1 spelled out)
-        for key in self.model_overrides:
-            if key in TOKENIZER_FIELDS:
-                raise ValueError(
-                    f"model_overrides (--model-option) cannot set {key}: it comes from the tokenizer "
-                    "(--vocab-size sets the size of the one trained, --tokenizer gives another)."
-                )
-            if key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
-                hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(fields)}."
-                raise ValueError(f"model_overrides (--model-option): {key} is no VaswaniConfig field{hint}")
-        VaswaniConfig.from_preset(self.preset, **self.model_overrides)
 
 
 def _paths(value: Any) -> list[str]:
