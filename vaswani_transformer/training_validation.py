@@ -5,6 +5,7 @@ from collections.abc import Iterable
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from transformers import PreTrainedTokenizerBase
 
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .training_config import TrainingConfig
@@ -52,6 +53,7 @@ class RunValidation:
     accelerator: Accelerator
     model: torch.nn.Module
     unwrapped: VaswaniForConditionalGeneration
+    tokenizer: PreTrainedTokenizerBase
     valid_batches: Iterable[dict]
     validation_sources: list[str]
     validation_references: list[str]
