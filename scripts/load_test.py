@@ -53,8 +53,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmark import commit_measured, cpu_times  # scripts/benchmark.py: this folder is on sys.path
-from benchmark import machine as benchmark_machine
+from benchmark_common import commit_measured, cpu_times  # scripts/benchmark_common.py: this folder is on sys.path
+from benchmark_common import machine as benchmark_machine
 
 from vaswani_transformer.inference_config import ENGINES
 
@@ -275,7 +275,7 @@ def drive(server: Server, args: argparse.Namespace, sentences: list[str], big_re
 
 
 def machine(engine: str) -> dict:
-    """The machine as `benchmark.machine` reports it (CPU model and vector extensions, cores, library versions,
+    """The machine as `benchmark_common.machine` reports it (CPU model and vector extensions, cores, library versions,
     and the GPU where `serve` puts the model by default: the torch engine's on a machine with CUDA), with
     PyTorch's thread count and the commit."""
     import torch

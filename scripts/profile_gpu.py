@@ -16,7 +16,7 @@ scripts/benchmark.py), eager, the script measures in one process, in this order:
    the GPU idles waiting for the host; the 10 most expensive kernels; kernel launches, synchronising
    calls and device-to-host copies per step; the host time of the top CPU operators;
 4. ours against HF Marian with identical weights (`convert.to_marian`), taking turns step by step on the
-   same batches: `scripts/benchmark.py`'s `child_train_turns` / `training_step` imported as they are
+   same batches: `scripts/benchmark_train.py`'s `child_train_turns` / `training_step` imported as they are
    (its step: plain torch.autocast, fused Adam, batches already on the device). Time only, no profile;
 5. with `--compile`, the seconds of the first steps compiled as `train --compile` compiles them
    (Accelerate's dynamo plugin, Inductor, dynamic shapes, lengths padded to multiples of 8), in a
@@ -63,7 +63,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import benchmark  # noqa: E402  (scripts/benchmark.py: its Marian comparison and machine description)
+import benchmark_common  # noqa: E402  (scripts/benchmark_common.py: the commit, as the benchmark names it)
+import benchmark_train  # noqa: E402  (scripts/benchmark_train.py: the benchmark's Marian comparison)
 
 STARTED = time.monotonic()
 TRACE_LIMIT = 40 * 2**20  # bytes of the compressed Chrome trace; larger ones are not written
@@ -130,7 +131,7 @@ def environment(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
     }
     try:
-        info["commit"] = benchmark.commit_measured()
+        info["commit"] = benchmark_common.commit_measured()
     except OSError:  # no git here
         info["commit"] = None
     if args.device == "cuda":
@@ -332,8 +333,8 @@ def benchmark_namespace(args: argparse.Namespace, preset_dir: Path, warmup: int 
 
 
 def fallback_step(args: argparse.Namespace, config, workdir: Path):
-    """Where `training_run` fails (the package changed under it): scripts/benchmark.py's step of ours instead."""
-    ours = benchmark.training_step("ours", benchmark_namespace(args, save_models(args, config, workdir)))
+    """Where `training_run` fails (the package changed under it): scripts/benchmark_train.py's step of ours instead."""
+    ours = benchmark_train.training_step("ours", benchmark_namespace(args, save_models(args, config, workdir)))
 
     def step(batch) -> None:
         ours({name: tensor.to(args.device) for name, tensor in batch.items()})
@@ -536,17 +537,17 @@ def phase(report: Report, name: str):
 
 
 def marian_turns(args: argparse.Namespace, config, batches: list, workdir: Path, peak: float | None) -> dict:
-    """Ours and HF Marian (identical weights) taking turns on the same batches: `benchmark.child_train_turns`."""
+    """Ours and HF Marian (identical weights) taking turns on the same batches: `benchmark_train.child_train_turns`."""
     import torch
 
     from vaswani_transformer.flops import training_flops
 
     preset_dir = save_models(args, config, workdir)
     torch.save([dict(b) for b in batches], preset_dir.parent / "train_batches.pt")
-    result = benchmark.child_train_turns(benchmark_namespace(args, preset_dir, args.marian_warmup))
+    result = benchmark_train.child_train_turns(benchmark_namespace(args, preset_dir, args.marian_warmup))
     timed = batches[args.marian_warmup :]
     flops_per_token = sum(training_flops(config, b["attention_mask"], b["labels"]) for b in timed) / sum(
-        benchmark.real_tokens(b) for b in timed
+        benchmark_train.real_tokens(b) for b in timed
     )
     result["model_tflops_per_second"] = {
         engine: round(rate * flops_per_token / 1e12, 2) for engine, rate in result["tokens_per_second"].items()
@@ -556,7 +557,9 @@ def marian_turns(args: argparse.Namespace, config, batches: list, workdir: Path,
             engine: round(rate * flops_per_token / peak, 4) for engine, rate in result["tokens_per_second"].items()
         }
     result["ours_over_marian"] = round(result.pop("ratio"), 3)
-    result["step"] = "scripts/benchmark.py training_step: torch.autocast, fused Adam, batches already on the device"
+    result["step"] = (
+        "scripts/benchmark_train.py training_step: torch.autocast, fused Adam, batches already on the device"
+    )
     return result
 
 
@@ -626,7 +629,7 @@ def child_compile(args: argparse.Namespace) -> None:
         synchronize(args.device)
         print(json.dumps({
             "step": index, "seconds": round(time.perf_counter() - start, 3), "shape": list(batch["input_ids"].shape),
-            "tokens": benchmark.real_tokens(batch),
+            "tokens": benchmark_train.real_tokens(batch),
             "flops": training_flops(config, batch["attention_mask"], batch["labels"]),
         }), flush=True)  # fmt: skip
 
@@ -700,9 +703,9 @@ def main() -> None:
             run, step = training_run(args, config, workdir)
             report.save(step="training.TrainingRun.optimizer_step + after_step (train's loop), eager")
         except Exception as error:  # noqa: BLE001  (one shot on a lent GPU: measure what can be measured)
-            report.log("TrainingRun failed, falling back to scripts/benchmark.py's step:", repr(error))
+            report.log("TrainingRun failed, falling back to scripts/benchmark_train.py's step:", repr(error))
             run, step = None, fallback_step(args, config, workdir)
-            report.save(step=f"scripts/benchmark.py training_step (TrainingRun failed: {error!r})")
+            report.save(step=f"scripts/benchmark_train.py training_step (TrainingRun failed: {error!r})")
         warm, timed = batches[: args.warmup], batches[args.warmup : args.warmup + args.steps]
         rest = batches[args.warmup + args.steps :]
         report.log(f"warm-up: {len(warm)} steps")
