@@ -13,7 +13,7 @@ import torch
 
 # Products take oneDNN from a size pinned for the whole run, its subprocesses included, not measured, and so do the
 # weight gradients: tests that compare runs to the bit must not depend on how two processes measured them
-# (ops_vaswani.onednn_min_product).
+# (kernels_vaswani.onednn_min_product).
 os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
 
 import vaswani_transformer  # noqa: E402, F401  (registers the Auto classes)

@@ -9,7 +9,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, Mar
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_transformer.cli import main
 from vaswani_transformer.convert import from_marian, marian_to_interleaved_permutation, to_marian
-from vaswani_transformer.modeling_vaswani import SinusoidalPositionalEncoding
+from vaswani_transformer.layers_vaswani import SinusoidalPositionalEncoding
 
 
 def random_marian(vocab_size: int, pad: int, eos: int, seed: int, **sizes) -> MarianMTModel:

@@ -24,10 +24,9 @@ TOKEN = "hf_local_test_token"
 PACKAGE_ROOT = str(Path(vaswani_transformer.__file__).resolve().parents[1])
 SENTENCE = "A man is riding a bicycle down the street."
 GERMAN = "Ein Mann fährt mit dem Fahrrad die Straße hinunter."
-TRANSLATOR_FILES = {
-    "model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-    "modeling_vaswani.py", "configuration_vaswani.py", "generation_vaswani.py", "ops_vaswani.py", "pipeline_vaswani.py",
-}  # fmt: skip
+TRANSLATOR_FILES = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} | {
+    path.name for path in Path(vaswani_transformer.__file__).parent.glob("*_vaswani.py")
+}
 
 
 @pytest.fixture

@@ -66,3 +66,16 @@ def test_the_import_graph_has_no_cycle():
 
     for module in graph:
         visit(module)
+
+
+def test_every_module_has_room_to_grow():
+    # Each job its own module: no module over 600 lines and no class over 200, the ceilings the project keeps.
+    too_long = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        source = path.read_text()
+        if (lines := source.count("\n")) > 600:
+            too_long.append(f"{path.name}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > 200:
+                too_long.append(f"{path.name}: class {node.name}, {size} lines")
+    assert not too_long, too_long

@@ -1,17 +1,16 @@
 """A saved model without the package: trust_remote_code loads its copied code and pipeline (pipeline_vaswani.py)."""
 
 import json
+from pathlib import Path
 
 from conftest import random_model, run_without_package
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+import vaswani_transformer
 from vaswani_transformer import VaswaniForConditionalGeneration
 
-# The modules `trust_remote_code` runs: the model's file and, through its relative imports, the rest.
-MODEL_CODE = {
-    "compat_vaswani.py", "configuration_vaswani.py", "modeling_vaswani.py", "generation_vaswani.py", "ops_vaswani.py",
-    "pipeline_vaswani.py",
-}  # fmt: skip
+# The modules `trust_remote_code` runs: the model's file and, through its relative imports, every other `*_vaswani.py`.
+MODEL_CODE = {path.name for path in Path(vaswani_transformer.__file__).parent.glob("*_vaswani.py")}
 SENTENCES = ["A man is riding a bicycle down the street.", "Two dogs play in the snow."]
 
 WITHOUT_PACKAGE = """

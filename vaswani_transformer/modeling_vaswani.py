@@ -1,35 +1,28 @@
 """The Transformer of Vaswani et al. (2017), "Attention Is All You Need", as a transformers model.
 
-Read top to bottom, this file follows §3 of the paper: positional encoding (§3.5), scaled
-dot-product and multi-head attention (§3.2), the position-wise feed-forward network (§3.3), the
-encoder and decoder layers with their residual + LayerNorm sublayers and the two stacks (§3.1),
+Read after `layers_vaswani.py` (positions §3.5, attention §3.2, feed-forward §3.3, the encoder and
+decoder layers §3.1), this file follows the rest of §3 in the paper's order: the two stacks (§3.1),
 the embeddings shared by both stacks (§3.4), the model, and the translation head: the pre-softmax
 projection tied to the embeddings (§3.4) and its label-smoothed loss (§5.4). Decoding (§6.1) is in
-`generation_vaswani.py`, the CPU kernels of the linear maps, dropout and loss in `ops_vaswani.py`.
+`generation_vaswani.py`, the CPU kernels of the linear maps, dropout and loss in `ops_vaswani.py`,
+and the check of a saved model's weights in `loading_vaswani.py`.
 """
 
-import contextlib
 import math
-import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.masking_utils import create_bidirectional_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compat_vaswani import (
     OutputRecorder,
@@ -44,315 +37,20 @@ from .compat_vaswani import (
     shift_tokens_right,
 )
 from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import BeamSearchCache, VaswaniGenerationMixin, paper_generation_config
-from .ops_vaswani import (
-    Linear,
-    attention_in_float32,
-    eager_attention_is_faster,
-    label_smoothed_cross_entropy,
-    linear_label_smoothed_cross_entropy,
-    residual_dropout,
+from .generation_vaswani import VaswaniGenerationMixin, paper_generation_config
+from .kernels_vaswani import choose_kernels
+from .layers_vaswani import (
+    DecoderLayer,
+    EncoderLayer,
+    LearnedPositionalEmbedding,
+    MultiHeadAttention,
+    SinusoidalPositionalEncoding,
 )
+from .loading_vaswani import check_weights_fit
+from .ops_vaswani import Linear, label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy, residual_dropout
 
 # Saving copies a model file's relative imports, and `trust_remote_code` fetches them: the pipeline's too.
 from .pipeline_vaswani import TranslationPipeline
-
-# §3.5 Positional encoding -------------------------------------------------------------------------
-
-
-class SinusoidalPositionalEncoding(nn.Module):
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) (§3.5).
-
-    Sines and cosines are interleaved as in the paper's formula. The encoding is computed from the
-    positions on every call rather than read from a table, so any length works, longer than any
-    seen in training included; it has no parameters and nothing is saved. Computing it costs
-    O(length * d_model), negligible beside one attention layer.
-    """
-
-    def __init__(self, d_model: int) -> None:
-        super().__init__()
-        self.d_model = d_model
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """Encode positions (§3.5).
-
-        Args:
-            positions: integer positions, any shape `(*)`, counted from 0.
-
-        Returns:
-            float32 tensor of shape `(*, d_model)`.
-        """
-        # 1 / 10000^(2i / d_model), i = 0 .. d_model/2 - 1: wavelengths in a geometric progression.
-        even_dims = torch.arange(0, self.d_model, 2, dtype=torch.float32, device=positions.device)
-        inverse_frequency = torch.exp(even_dims * (-math.log(10000.0) / self.d_model))
-        angles = positions.float().unsqueeze(-1) * inverse_frequency
-        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
-
-
-class LearnedPositionalEmbedding(nn.Embedding):
-    """One trained d_model vector per position, up to a fixed number of positions (Table 3, row E).
-
-    The paper found "nearly identical results" to the sinusoids, which it kept because they may
-    extrapolate to lengths unseen in training; these cannot. Call it with `(*)` integer positions
-    to get `(*, d_model)` embeddings.
-    """
-
-
-# §3.2 Attention -----------------------------------------------------------------------------------
-
-
-def scaled_dot_product_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1, Eq. 1), spelled out.
-
-    This is the "eager" implementation of transformers' attention interface: the only one that
-    returns the attention weights, so `output_attentions=True` takes it whatever the model's
-    `attn_implementation`. `"sdpa"` (the default) computes the same with PyTorch's fused kernel.
-
-    Args:
-        module: the calling attention module (gives `training`).
-        query: `(batch, heads, target_len, d_k)`.
-        key: `(batch, heads, source_len, d_k)`.
-        value: `(batch, heads, source_len, d_v)`.
-        attention_mask: additive float mask broadcastable to `(batch, heads, target_len, source_len)`,
-            0 where attending is allowed and the dtype's minimum where it is not; or a boolean mask,
-            True where attending is allowed (the SDPA format); or None.
-        scaling: 1 / sqrt(d_k).
-        dropout: dropout probability on the weights.
-
-    Returns:
-        The output, `(batch, target_len, heads, d_v)`, and the weights, `(batch, heads, target_len, source_len)`.
-    """
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is None and module.is_causal and query.shape[2] > 1:  # SDPA's mask builder left it to is_causal
-        attention_mask = weights.new_ones(weights.shape[-2:], dtype=torch.bool).tril(key.shape[2] - query.shape[2])
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        weights = torch.where(attention_mask, weights, torch.finfo(weights.dtype).min)
-    elif attention_mask is not None:
-        weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1)
-    if module.training and dropout:
-        weights = F.dropout(weights, p=dropout)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
-    return output, weights
-
-
-class MultiHeadAttention(nn.Module):
-    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (§3.2.2).
-
-    The h projections of each kind are one bias-free linear map, d_model to h * d_k for queries and
-    keys and to h * d_v for values, as in the paper's parameter matrices (d_k = d_v = d_model / h
-    unless the config sets them, Table 3 rows A and B; biases only with `attention_bias`). The
-    module serves the three uses of §3.2.3: encoder self-attention, masked decoder self-attention
-    (`is_causal=True`) and encoder-decoder attention (`is_cross_attention=True`, keys and values
-    from the encoder output).
-    """
-
-    def __init__(
-        self, config: VaswaniConfig, layer_idx: int = 0, is_causal: bool = False, is_cross_attention: bool = False
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.scaling = config.key_dim**-0.5
-        self.dropout = config.attention_dropout
-        # Read by the SDPA path: False for non-causal attention, or an unpadded encoder batch would be masked causally.
-        self.is_causal = is_causal
-        self.is_cross_attention = is_cross_attention
-        keys_width, values_width = self.num_heads * config.key_dim, self.num_heads * config.value_dim
-        self.q_proj = Linear(config.d_model, keys_width, bias=config.attention_bias)
-        self.k_proj = Linear(config.d_model, keys_width, bias=config.attention_bias)
-        self.v_proj = Linear(config.d_model, values_width, bias=config.attention_bias)
-        self.out_proj = Linear(values_width, config.d_model, bias=config.attention_bias)
-
-    def _split_heads(self, states: torch.Tensor) -> torch.Tensor:
-        # (batch, length, heads * d) -> (batch, heads, length, d)
-        return states.view(*states.shape[:-1], self.num_heads, -1).transpose(1, 2)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend from `hidden_states` to itself, or to `key_value_states` for cross-attention (§3.2.2).
-
-        Args:
-            hidden_states: queries, `(batch, target_len, d_model)`.
-            key_value_states: encoder output `(batch, source_len, d_model)` for cross-attention, else None.
-                It may have batch / beams rows: each then serves `beams` consecutive rows of queries.
-            attention_mask: mask from `transformers.masking_utils`, or None. Self-attention with a
-                `BeamSearchCache` uses the cache's mask instead.
-            past_key_values: an `EncoderDecoderCache` during incremental decoding. Self-attention
-                appends this step's keys and values; cross-attention computes the encoder's once
-                and then reuses them.
-
-        Returns:
-            The output `(batch, target_len, d_model)` and, with eager attention or `output_attentions`, the weights
-            `(batch, heads, target_len, key_len)` (None otherwise); with shared encoder rows,
-            `(batch / beams, heads, beams * target_len, key_len)`, and in self-attention with a
-            `BeamSearchCache` holding `length` positions, `(batch / beams, heads, beams, length * num_beams)`.
-        """
-        cache = None
-        if past_key_values is not None:
-            caches = past_key_values
-            cache = caches.cross_attention_cache if self.is_cross_attention else caches.self_attention_cache
-        rows = hidden_states.shape[0]
-        if self.is_cross_attention and key_value_states is not None and key_value_states.shape[0] != rows:
-            # Beam search gives each sentence's encoder output once for all its beams (`beam_search`): the
-            # beams' queries attend to it as one longer query sequence, its keys and values computed once.
-            hidden_states = hidden_states.reshape(key_value_states.shape[0], -1, hidden_states.shape[-1])
-        elif isinstance(cache, BeamSearchCache):
-            # So do the beams' one new position each in self-attention, to the keys and values of every
-            # beam's slot, each beam masked to its own ancestors' (`BeamSearchCache`).
-            hidden_states = hidden_states.reshape(cache.batch_size, -1, hidden_states.shape[-1])
-        query = self._split_heads(self.q_proj(hidden_states))
-        if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
-            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
-        else:
-            source = key_value_states if self.is_cross_attention else hidden_states
-            key, value = self._split_heads(self.k_proj(source)), self._split_heads(self.v_proj(source))
-            if cache is not None:
-                key, value = cache.update(key, value, self.layer_idx)
-                if self.is_cross_attention:
-                    past_key_values.is_updated[self.layer_idx] = True
-                elif isinstance(cache, BeamSearchCache):
-                    attention_mask = cache.mask.to(key.device)  # layers may sit on several devices
-
-        implementation = self.config._attn_implementation
-        if implementation == "sdpa" and (  # only Eq. 1 spelled out gives the weights
-            kwargs.get("output_attentions")
-            or eager_attention_is_faster(query, key, attention_mask, self.is_causal, decoding=cache is not None)
-        ):
-            implementation = "eager"
-        elif implementation != "sdpa" and isinstance(cache, BeamSearchCache):
-            # Flash attention, and kernels registered by users, may ignore a mask of this kind: the beams'
-            # ancestry needs it, and the eager path applies it.
-            implementation = "eager"
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, scaled_dot_product_attention)
-        dropout = self.dropout if self.training else 0.0
-        precision = contextlib.nullcontext()
-        if implementation == "sdpa" and attention_in_float32(query):
-            precision = torch.autocast("cpu", enabled=False)
-            query, key, value = query.float(), key.float(), value.float()
-            if attention_mask is not None and attention_mask.is_floating_point():
-                attention_mask = attention_mask.float()
-        with precision:
-            output, weights = attention(
-                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-            )
-        output = self.out_proj(output.reshape(*hidden_states.shape[:-1], -1))
-        return output.reshape(rows, -1, output.shape[-1]), weights
-
-
-# §3.3 Position-wise feed-forward network ----------------------------------------------------------
-
-
-class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (§3.3, Eq. 2), d_model -> d_ff -> d_model.
-
-    max(0, .) is ReLU, the config's `activation_function` by default; imported models may use another.
-    """
-
-    def __init__(self, config: VaswaniConfig) -> None:
-        super().__init__()
-        self.fc1 = Linear(config.d_model, config.d_ff)
-        self.fc2 = Linear(config.d_ff, config.d_model)
-        self.activation = ACT2FN[config.activation_function]
-        self.activation_dropout = config.activation_dropout
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`(batch, length, d_model)` -> `(batch, length, d_model)` (§3.3, Eq. 2)."""
-        hidden_states = self.activation(self.fc1(hidden_states))
-        if self.training and self.activation_dropout:
-            hidden_states = F.dropout(hidden_states, p=self.activation_dropout)
-        return self.fc2(hidden_states)
-
-
-# §3.1 Encoder and decoder layers ------------------------------------------------------------------
-
-
-class SublayerConnection(nn.Module):
-    """LayerNorm(x + Dropout(Sublayer(x))): the residual connection around each sublayer (§3.1, §5.4).
-
-    With `config.normalize_before` (not in the paper) it is x + Dropout(Sublayer(LayerNorm(x))) instead.
-    """
-
-    def __init__(self, config: VaswaniConfig) -> None:
-        super().__init__()
-        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = config.dropout
-        self.normalize_before = config.normalize_before
-
-    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Apply `sublayer`, `(batch, length, d_model)` -> same shape, with its residual connection (§3.1)."""
-        if self.normalize_before:
-            return x + residual_dropout(sublayer(self.layer_norm(x)), self.dropout, self.training)
-        return self.layer_norm(x + residual_dropout(sublayer(x), self.dropout, self.training))
-
-
-class EncoderLayer(GradientCheckpointingLayer):
-    """One of the N identical encoder layers: self-attention, then feed-forward (§3.1)."""
-
-    def __init__(self, config: VaswaniConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = MultiHeadAttention(config, layer_idx)
-        self.self_attn_sublayer = SublayerConnection(config)
-        self.feed_forward = PositionwiseFeedForward(config)
-        self.feed_forward_sublayer = SublayerConnection(config)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """`(batch, source_len, d_model)` -> `(batch, source_len, d_model)` (§3.1); the mask hides padding."""
-        hidden_states = self.self_attn_sublayer(
-            hidden_states, lambda x: self.self_attn(x, attention_mask=attention_mask, **kwargs)[0]
-        )
-        return self.feed_forward_sublayer(hidden_states, self.feed_forward)
-
-
-class DecoderLayer(GradientCheckpointingLayer):
-    """One of the N identical decoder layers: masked self-attention, encoder-decoder attention, feed-forward (§3.1)."""
-
-    def __init__(self, config: VaswaniConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = MultiHeadAttention(config, layer_idx, is_causal=True)
-        self.self_attn_sublayer = SublayerConnection(config)
-        self.encoder_attn = MultiHeadAttention(config, layer_idx, is_cross_attention=True)
-        self.encoder_attn_sublayer = SublayerConnection(config)
-        self.feed_forward = PositionwiseFeedForward(config)
-        self.feed_forward_sublayer = SublayerConnection(config)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        encoder_hidden_states: torch.Tensor,
-        encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """`(batch, target_len, d_model)` -> the same; `attention_mask` is the causal (and padding) mask of §3.2.3,
-        `encoder_hidden_states` `(batch, source_len, d_model)` has the padding mask `encoder_attention_mask`."""
-        hidden_states = self.self_attn_sublayer(
-            hidden_states,
-            lambda x: self.self_attn(x, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0],
-        )
-        hidden_states = self.encoder_attn_sublayer(
-            hidden_states,
-            lambda x: self.encoder_attn(x, encoder_hidden_states, encoder_attention_mask, past_key_values, **kwargs)[0],
-        )
-        return self.feed_forward_sublayer(hidden_states, self.feed_forward)
-
 
 # §3.1 The stacks ----------------------------------------------------------------------------------
 
@@ -386,6 +84,25 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             sizes_may_differ=load_config.ignore_mismatched_sizes,
         )
         return PreTrainedModel._finalize_model_loading(model, load_config, loading_info)
+
+    def post_init(self) -> None:
+        """transformers' `post_init` (initialisation, tied weights), then the kernels measured fastest on this CPU.
+
+        See `kernels_vaswani.choose_kernels`: measured once per process, never inside `forward`.
+        """
+        super().post_init()
+        choose_kernels(self)
+
+    def train(self, mode: bool = True) -> "VaswaniPreTrainedModel":
+        """`nn.Module.train`; in training mode also the kernels only training runs (`kernels_vaswani.choose_kernels`).
+
+        Returns:
+            The model itself.
+        """
+        super().train(mode)
+        if mode:
+            choose_kernels(self, training=True)
+        return self
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -792,7 +509,13 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         logits = loss = None
         if labels is not None and self._loss_without_logits(hidden_states):
             loss = linear_label_smoothed_cross_entropy(
-                hidden_states, self.lm_head.weight, labels, epsilon, self.final_logits_bias, num_items_in_batch
+                hidden_states,
+                self.lm_head.weight,
+                labels,
+                epsilon,
+                self.final_logits_bias,
+                num_items_in_batch,
+                self.lm_head.kernels,
             )
         else:
             logits = self.lm_head(hidden_states)
@@ -837,79 +560,3 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """For `DataCollatorForSeq2Seq`: `labels` `(batch, target_len)` -> decoder inputs, shifted right (§3.1)."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
-
-
-# Loading ------------------------------------------------------------------------------------------
-
-# The config fields that set the length of some weight's axis, and the layer a weight belongs to.
-_SIZE_FIELDS = ("vocab_size", "d_model", "d_ff", "d_k", "d_v", "max_position_embeddings")
-_LAYER = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.")
-
-
-def check_weights_fit(model: PreTrainedModel, loading_info: Any, where: str, sizes_may_differ: bool = False) -> None:
-    """Refuse weights that the model `config.json` describes lacks, or has in other sizes.
-
-    Args:
-        model: the model `from_pretrained` built from `config.json`, the weights read into it.
-        loading_info: transformers' report of that reading (`LoadStateDictInfo`): `missing_keys`,
-            `unexpected_keys`, and `mismatched_keys` as (name, shape in the file, shape in the model).
-        where: the model's directory or Hub id, for the message.
-        sizes_may_differ: `from_pretrained`'s `ignore_mismatched_sizes`: weights of other shapes are initialised
-            anew, as the caller asked, not refused.
-
-    Raises:
-        ValueError: the file lacks a weight of the model (the tied copies of the shared embedding, §3.4, are
-            never stored), holds one the model has not (but those `_keys_to_ignore_on_load_unexpected` names), or
-            one of another shape. The message names the field of config.json and both values where the weights
-            tell them (layers, d_ff, vocab_size, ...), and the first few weights.
-    """
-    # Names of weights stored under another name: those transformers ties once they are read (the output projection,
-    # §3.4) and the parameters of a module that has several names (the embedding the two stacks share).
-    tied, seen = set(getattr(model, "all_tied_weights_keys", None) or {}), set()
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in seen:
-            tied.add(name)
-        seen.add(id(parameter))
-    missing = sorted(set(loading_info.missing_keys) - tied)
-    ignored = model._keys_to_ignore_on_load_unexpected or ()
-    unexpected = sorted(name for name in loading_info.unexpected_keys if not any(re.search(p, name) for p in ignored))
-    mismatched = [] if sizes_may_differ else sorted(loading_info.mismatched_keys)
-    if mismatched:
-        problem = _size_that_differs(model.config, mismatched)
-    elif missing or unexpected:
-        kinds = (("missing", missing), ("left over", unexpected))
-        listed = "; ".join(f"{kind}: {_first_few(names)}" for kind, names in kinds if names)
-        problem = f"{_layers_that_differ(model.config, missing, unexpected)} ({listed})"
-    else:
-        return
-    raise ValueError(f"{where}: {problem}; use the config.json saved with these weights.")
-
-
-def _size_that_differs(config: VaswaniConfig, mismatched: list[tuple[str, tuple, tuple]]) -> str:
-    # The first axis whose length in the model is the value of exactly one size field names that field.
-    first = None
-    for name, in_file, in_model in mismatched:
-        shapes = f"{name}: {tuple(in_file)} in the file, {tuple(in_model)} in the model"
-        first = first or shapes
-        for file_length, model_length in zip(in_file, in_model, strict=False):
-            fields = [field for field in _SIZE_FIELDS if getattr(config, field, None) == model_length]
-            if file_length != model_length and len(fields) == 1:
-                said = f"config.json has {fields[0]}={model_length} but the weights have {fields[0]}={file_length}"
-                return f"{said} ({shapes})"
-    return f"the weights do not fit config.json ({first})"
-
-
-def _layers_that_differ(config: VaswaniConfig, missing: list[str], unexpected: list[str]) -> str:
-    # Layers the file lacks from the first on, or has beyond the last: the file's stack has that many.
-    for stack in ("encoder", "decoder"):
-        lacking = {int(m[2]) for name in missing if (m := _LAYER.search(name)) and m[1] == stack}
-        over = {int(m[2]) for name in unexpected if (m := _LAYER.search(name)) and m[1] == stack}
-        if lacking or over:
-            field = f"{stack}_layers"
-            in_file = min(lacking) if lacking else max(over) + 1
-            return f"config.json has {field}={getattr(config, field)} but the weights have {field}={in_file}"
-    return "the weights do not fit config.json"
-
-
-def _first_few(names: list[str], count: int = 3) -> str:
-    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")

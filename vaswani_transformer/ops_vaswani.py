@@ -9,12 +9,9 @@ docstring. Only PyTorch is imported here: the module is copied into saved models
 """
 
 import contextlib
-import functools
 import math
-import os
-import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,98 +31,40 @@ def _onednn_linear_op() -> Callable | None:
 # idle (AVX-512 on AMD's); oneDNN, also inside PyTorch, uses them (docs/performance.md, "Products through oneDNN").
 # PyTorch sends only bfloat16 and float16 products to oneDNN; this operator is the one `torch.compile` emits for
 # linear layers on the CPU.
-_ONEDNN_LINEAR = _onednn_linear_op()
+ONEDNN_LINEAR = _onednn_linear_op()
 
 
 # Products below this many multiply-adds take MKL without asking: there oneDNN's extra cost per call exceeds the
-# whole product's time on every CPU measured, and the measurement below is not set off by small models.
-_ONEDNN_FLOOR = 2**18
-# The environment variable that pins the size from which products take oneDNN, instead of measuring it.
-ONEDNN_MIN_PRODUCT_ENV = "VASWANI_ONEDNN_MIN_PRODUCT"
-_MEASUREMENT_LOCK = threading.Lock()
+# whole product's time on every CPU measured.
+ONEDNN_FLOOR = 2**18
 
 
-def _best_seconds(call: Callable[[], object], repeats: int) -> float:
-    # The fastest of `repeats` timed calls, after one untimed call that warms caches and allocators up. The
-    # measurements of this module use constant operands: the values do not change the time, and the global random
-    # generator stays untouched.
-    call()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+@dataclass(frozen=True)
+class ProductKernels:
+    """Which library computes a linear map's float32 products on the CPU: MKL (PyTorch's own) or oneDNN.
 
+    Chosen for each `Linear` of a model by `kernels_vaswani.choose_kernels`, by measuring, once; the
+    kernels here only read it. The default, `MKL_ONLY`, is PyTorch's own behaviour.
 
-def _product_cost(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[float, float]:
-    # Seconds per call and per multiply-add of one library's float32 products, from a small product, whose time
-    # is mostly the call's, and a large one, whose time is mostly its multiply-adds (best of 7 each).
-    timings = []
-    for rows, width in ((8, 128), (256, 512)):
-        input = torch.full((rows, width), 0.5, dtype=torch.float32, device="cpu")
-        weight = torch.full((width, width), 0.25, dtype=torch.float32, device="cpu")
-        timings.append((rows * width * width, _best_seconds(functools.partial(product, input, weight), 7)))
-    (small, small_seconds), (large, large_seconds) = timings
-    per_multiply_add = max(large_seconds - small_seconds, 0.0) / (large - small)
-    return small_seconds - per_multiply_add * small, per_multiply_add
-
-
-@functools.cache
-def _measured_onednn_min_product() -> float:
-    if _ONEDNN_LINEAR is None:
-        return math.inf
-    try:
-        with torch.no_grad():
-            mkl_call, mkl_multiply_add = _product_cost(F.linear)
-            onednn_call, onednn_multiply_add = _product_cost(_onednn_product)
-    except RuntimeError:  # a oneDNN that cannot run on this CPU
-        return math.inf
-    if onednn_multiply_add >= mkl_multiply_add:
-        return math.inf
-    crossing = max(onednn_call - mkl_call, 0.0) / (mkl_multiply_add - onednn_multiply_add)
-    return float(2 ** round(math.log2(max(crossing, _ONEDNN_FLOOR))))
-
-
-def onednn_min_product() -> float:
-    """The fewest multiply-adds from which oneDNN computes a float32 product faster than MKL on this CPU.
-
-    For the projections of §3.2.2, §3.3 and §3.4 (`linear`). A oneDNN call costs more than an MKL one; how
-    much faster its multiply-adds are than MKL's depends on the processor, from several times to not at all
-    (docs/performance.md, "Products through oneDNN"). So the size from which oneDNN pays
-    is measured, once per process, when the first product of at least 2^18 multiply-adds comes, with the
-    threads PyTorch uses then: each library's time per call and per multiply-add, from one small and one
-    large product (about 20 ms in all), give the size at which their times cross, rounded to a power of two
-    so that the noise of one measurement seldom moves it. Where the two libraries are close, separate
-    processes may still measure neighbouring powers, and products near them round differently: the
-    environment variable `VASWANI_ONEDNN_MIN_PRODUCT` (a number of multiply-adds, or `inf` for never) pins
-    the size instead, for runs that must agree to the bit (docs/robustness.md, "Determinism"); pinned, every
-    weight gradient from that size goes to oneDNN too, where otherwise each shape's is timed against MKL's.
-
-    Returns:
-        Multiply-adds (rows x in_features x out_features): a power of two from 2^18 when measured, `math.inf`
-        where oneDNN's multiply-adds are not faster than MKL's or PyTorch has no oneDNN.
-
-    Raises:
-        ValueError: `VASWANI_ONEDNN_MIN_PRODUCT` is set to something other than a number.
+    Attributes:
+        onednn_min_product: multiply-adds (rows x in_features x out_features) from which a product takes
+            oneDNN; `math.inf` for never.
+        onednn_weight_gradient: whether the weight gradient of a product that took oneDNN takes it too.
     """
-    pinned = os.environ.get(ONEDNN_MIN_PRODUCT_ENV)
-    if pinned is not None:
-        try:
-            return float(pinned)
-        except ValueError:
-            raise ValueError(
-                f"{ONEDNN_MIN_PRODUCT_ENV}={pinned!r} is not a number of multiply-adds: give one, e.g. 8388608, "
-                "or inf to keep every product on MKL, or unset it to measure."
-            ) from None
-    with _MEASUREMENT_LOCK:  # one measurement, even when the first products come from several threads at once
-        return _measured_onednn_min_product()
+
+    onednn_min_product: float = math.inf
+    onednn_weight_gradient: bool = False
 
 
-def _plain_dispatch() -> bool:
-    # Not under TorchScript tracing, `torch.func` transforms, or modes that watch the dispatcher (FLOP counters,
-    # fake tensors): there a kernel chosen by a measurement would not be traced, transformed or counted as PyTorch's
-    # own, and a measurement would time nothing real.
+MKL_ONLY = ProductKernels()
+
+
+def plain_dispatch() -> bool:
+    """Whether PyTorch runs operators as they are: no TorchScript tracing, `torch.func` transform or watching mode.
+
+    Under those (FLOP counters and fake tensors watch the dispatcher) a kernel chosen by a measurement would not
+    be traced, transformed or counted as PyTorch's own, and a measurement would time nothing real.
+    """
     return (
         not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
@@ -133,124 +72,92 @@ def _plain_dispatch() -> bool:
     )
 
 
-def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def _uses_onednn(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ProductKernels) -> bool:
     # Where oneDNN's operator has no rule, F.linear: TorchScript tracing, torch.func transforms, torch.compile (which
     # chooses its own kernels), autocast, and modes that watch the dispatcher (FLOP counters, fake tensors); and
     # where the user turned oneDNN off (`torch.backends.mkldnn.flags`). Compilation is asked first: a size compared
-    # while tracing would become a guard, and a recompilation. Then the fixed floor, which spares most products of
-    # a decoding step the rest; the measured size last, so that its measurement never runs inside a trace or mode.
+    # while tracing would become a guard, and a recompilation.
     return (
         not torch.compiler.is_compiling()
-        and input.numel() * weight.shape[0] >= _ONEDNN_FLOOR
-        and _ONEDNN_LINEAR is not None
+        and input.numel() * weight.shape[0] >= max(ONEDNN_FLOOR, kernels.onednn_min_product)
+        and ONEDNN_LINEAR is not None
         and torch.backends.mkldnn.enabled
         and input.device.type == weight.device.type == "cpu"
         and input.dim() >= 2
         and input.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and not torch.is_autocast_enabled("cpu")
-        and _plain_dispatch()
-        and input.numel() * weight.shape[0] >= onednn_min_product()
+        and plain_dispatch()
     )
 
 
-def _onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x W^T + b by oneDNN, asking nothing: for callers that chose it already.
-    return _ONEDNN_LINEAR(input, weight, bias, "none", [], "")
+def onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b by oneDNN, asking nothing, for callers that chose it: `(*, in)` by `(out, in)` gives `(*, out)`.
+
+    Raises:
+        RuntimeError: the shapes do not fit, or the CPU cannot run oneDNN's kernel (from oneDNN).
+    """
+    return ONEDNN_LINEAR(input, weight, bias, "none", [], "")
 
 
-def _transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable) -> torch.Tensor:
-    # a^T b of (rows, m) and (rows, n), a weight gradient, by oneDNN through `product` (`linear` or `_onednn_product`):
-    # a^T (b^T)^T, or (b^T a)^T. oneDNN copies the transposed first operand into a contiguous one, so the narrower of
-    # a and b takes that place.
+def transposed_product(a: torch.Tensor, b: torch.Tensor, product: Callable) -> torch.Tensor:
+    """a^T b of `(rows, m)` and `(rows, n)`, a weight gradient `(m, n)`, through `product`: (x, W) -> x W^T.
+
+    Computed as a^T (b^T)^T, or (b^T a)^T: oneDNN copies the transposed first operand into a contiguous one, so the
+    narrower of a and b takes that place.
+    """
     return product(b.t(), a.t()).t() if a.shape[1] > b.shape[1] else product(a.t(), b.t())
 
 
-# Weight gradients are timed with at most this many rows, and operands of at most this many elements: beyond them
-# the two libraries' times grow alike, and timing a large model's or vocabulary's products would take seconds.
-_WEIGHT_GRADIENT_MAX_ROWS = 2**12
-_WEIGHT_GRADIENT_MAX_ELEMENTS = 2**22
-
-
-@functools.cache
-def _measured_onednn_weight_gradient(rows: int, m: int, n: int, accumulate: bool) -> bool:
-    a = torch.full((rows, m), 0.5, dtype=torch.float32, device="cpu")
-    b = torch.full((rows, n), 0.25, dtype=torch.float32, device="cpu")
-    total = torch.zeros(m, n, dtype=torch.float32, device="cpu")
-    # `_onednn_product`, never `linear`: the caller holds _MEASUREMENT_LOCK, which `linear` may take again.
-    if accumulate:  # as the fused loss sums its chunks: oneDNN's product, then an addition; MKL's product adds itself
-        onednn = lambda: total.add_(_transposed_product(a, b, _onednn_product))  # noqa: E731
-        mkl = functools.partial(total.addmm_, a.t(), b)
-    else:
-        onednn = functools.partial(_transposed_product, a, b, _onednn_product)
-        mkl = functools.partial(torch.mm, a.t(), b)
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        onednn_seconds, mkl_seconds = _best_seconds(onednn, 3), _best_seconds(mkl, 3)
-    # Leaning to MKL, PyTorch's own library: where oneDNN would gain less than a tenth, the noise would decide.
-    return onednn_seconds <= 0.9 * mkl_seconds
-
-
-def _onednn_weight_gradient(rows: int, m: int, n: int, accumulate: bool = False) -> bool:
-    # Whether oneDNN computes the weight gradient a^T b of (rows, m) and (rows, n) float32, a product that
-    # `_uses_onednn` sends to it, faster than MKL on this CPU (added to a running sum where `accumulate`). MKL takes
-    # the transposed operand as it is; oneDNN first copies one into a contiguous block, which for d_model x d_model
-    # weights can cost more than its faster multiply-adds save (docs/performance.md, "Products through oneDNN").
-    # So each shape is timed both ways once per process, the first time it comes, its rows rounded to a power of
-    # two and capped. Where `VASWANI_ONEDNN_MIN_PRODUCT` pins the size from which products take oneDNN, nothing is
-    # timed and oneDNN computes them all, so that runs agree to the bit.
-    if os.environ.get(ONEDNN_MIN_PRODUCT_ENV) is not None:
-        return True
-    cap = min(_WEIGHT_GRADIENT_MAX_ROWS, 2 ** int(math.log2(max(1, _WEIGHT_GRADIENT_MAX_ELEMENTS // max(m, n)))))
-    rows = min(2 ** round(math.log2(max(rows, 1))), cap)
-    with _MEASUREMENT_LOCK:
-        return _measured_onednn_weight_gradient(rows, m, n, accumulate)
-
-
-def _weight_gradient(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    # dL/dW = (dL/dy)^T x, of (rows, out_features) and (rows, in_features), by the library faster for its shape;
+def _weight_gradient(grad_output: torch.Tensor, input: torch.Tensor, kernels: ProductKernels) -> torch.Tensor:
+    # dL/dW = (dL/dy)^T x, of (rows, out_features) and (rows, in_features), by the library chosen for its shape;
     # through `linear`, so that it can be differentiated in turn.
-    rows, m, n = len(input), grad_output.shape[1], input.shape[1]
-    if _uses_onednn(input.t(), grad_output.t()) and _onednn_weight_gradient(rows, m, n):
-        return _transposed_product(grad_output, input, linear)
+    if kernels.onednn_weight_gradient and _uses_onednn(input.t(), grad_output.t(), None, kernels):
+        return transposed_product(grad_output, input, lambda x, w: linear(x, w, None, kernels))
     return grad_output.t() @ input
 
 
 class OneDNNLinear(torch.autograd.Function):
     """x W^T + b (§3.2.2, §3.3, §3.4) and its gradients, the products computed by oneDNN: see `linear`.
 
-    `apply(input, weight, bias)` takes `(*, in_features)` float32 CPU input, an `(out_features,
-    in_features)` weight and an `(out_features,)` bias or None, and returns `(*, out_features)`.
-    The gradients are linear maps again, computed by `linear`, so they can be differentiated in turn;
-    the weight's by MKL instead where that is faster for its shape (`_onednn_weight_gradient`).
+    `apply(input, weight, bias, kernels)` takes `(*, in_features)` float32 CPU input, an `(out_features,
+    in_features)` weight, an `(out_features,)` bias or None and the layer's `ProductKernels`, and returns
+    `(*, out_features)`. The gradients are linear maps again, computed by `linear`, so they can be
+    differentiated in turn; the weight's by MKL unless `kernels.onednn_weight_gradient`.
     Raises RuntimeError (from oneDNN) if the shapes do not fit.
     """
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ProductKernels
+    ) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
-        return _onednn_product(input, weight, bias)
+        ctx.kernels = kernels
+        return onednn_product(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W: a linear map whose weight is W^T
-            grad_input = linear(grad_output, weight.t())
+            grad_input = linear(grad_output, weight.t(), None, ctx.kernels)
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_gradient(grad_output.flatten(0, -2), input.flatten(0, -2))
+            grad_weight = _weight_gradient(grad_output.flatten(0, -2), input.flatten(0, -2), ctx.kernels)
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.flatten(0, -2).sum(0)
-        return grad_input, grad_weight, grad_bias
+        return grad_input, grad_weight, grad_bias, None
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: ProductKernels = MKL_ONLY
+) -> torch.Tensor:
     """y = x W^T + b, as `torch.nn.functional.linear`, through oneDNN for float32 products on the CPU.
 
     Every projection of the model is one: W^Q, W^K, W^V and W^O (§3.2.2), W_1 and W_2 (§3.3, Eq. 2)
     and the pre-softmax projection (§3.4). The same function and gradients as `F.linear` to float32
     rounding, but its products run faster where MKL, PyTorch's usual library for them, leaves the
     CPU's vector units partly idle (docs/performance.md, "Products through oneDNN"). Products
-    smaller than `onednn_min_product()` (measured on this CPU), other dtypes and devices, autocast,
+    smaller than `kernels.onednn_min_product`, other dtypes and devices, autocast,
     `torch.compile`, TorchScript tracing, `torch.func` transforms, and
     `torch.backends.mkldnn.flags(enabled=False)` take `F.linear`.
 
@@ -258,6 +165,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         input: `(*, in_features)`.
         weight: `(out_features, in_features)`.
         bias: `(out_features,)`, or None.
+        kernels: the libraries chosen for this map (`kernels_vaswani.choose_kernels`); by default MKL alone.
 
     Returns:
         `(*, out_features)`.
@@ -265,162 +173,24 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Raises:
         RuntimeError: the shapes do not fit (from the product).
     """
-    if not _uses_onednn(input, weight, bias):
+    if not _uses_onednn(input, weight, bias, kernels):
         return F.linear(input, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-        return OneDNNLinear.apply(input, weight, bias)
-    return _onednn_product(input, weight, bias)
+        return OneDNNLinear.apply(input, weight, bias, kernels)
+    return onednn_product(input, weight, bias)
 
 
 class Linear(nn.Linear):
     """`nn.Linear` computed by `linear` (§3.2.2, §3.3, §3.4): the same parameters, initialisation and state dict.
 
     Maps `(*, in_features)` to `(*, out_features)`; raises RuntimeError if the input's last dimension is not
-    `in_features`.
+    `in_features`. `kernels` holds the libraries `kernels_vaswani.choose_kernels` chose for its products.
     """
+
+    kernels: ProductKernels = MKL_ONLY
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
-
-
-# §3.2.1 Attention: which kernel, and in which precision ---------------------------------------------
-
-
-def eager_attention_is_faster(
-    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, *, decoding: bool = False
-) -> bool:
-    """Whether Eq. 1 spelled out (§3.2.1) is faster here than PyTorch's fused attention kernel.
-
-    On the CPU the fused kernel has a fixed cost per call above Eq. 1 spelled out for a few queries
-    (docs/performance.md, "Attention for few queries"): one query per sentence at every decoding
-    step, a sentence's num_beams queries in beam search, short sentences at translation time. In
-    training the two take as long. On CUDA it is faster in the decoding steps (§6.1) of float16 and
-    bfloat16 while cuDNN's attention is enabled: PyTorch may take that kernel, which builds a plan
-    for every new shape, and as the keys grow by one position a step and finished sentences leave
-    the batch, nearly every step would wait for a plan (docs/gpu.md, "Decoding"). Where the SDPA
-    mask builder left a causal mask to the kernel's `is_causal` (mask None), the eager path would
-    not mask, so that case stays with the kernel.
-
-    Args:
-        query: `(batch, heads, queries, d_k)`.
-        key: `(batch, heads, keys, d_k)`.
-        mask: the attention mask, or None.
-        is_causal: whether the attention is masked decoder self-attention.
-        decoding: whether the layer decodes incrementally (it has a cache).
-
-    Returns:
-        True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs
-        with a mask or without causal masking (the kernel's own causal mask is not replaced); on
-        CUDA, without gradients, for a decoding step in float16 or bfloat16 while cuDNN's attention is
-        enabled (PyTorch's default; not after `training.avoid_cudnn_attention` has turned it off),
-        with a mask, in encoder-decoder attention, or for one query. The CUDA rule was measured on one
-        kind of GPU (docs/gpu.md): on a GPU where PyTorch prefers another kernel, Eq. 1 is spelled out
-        there too, though no plan stalls it.
-    """
-    maskable = mask is not None or not is_causal
-    if query.device.type == "cuda":
-        return (
-            decoding
-            and not torch.is_grad_enabled()
-            and (maskable or query.shape[2] == 1)
-            and query.dtype in (torch.float16, torch.bfloat16)
-            and torch.backends.cuda.cudnn_sdp_enabled()
-        )
-    if query.device.type != "cpu":
-        return False
-    if query.shape[2] == 1:
-        return True
-    return not torch.is_grad_enabled() and query.shape[2] * key.shape[2] <= 1024 and maskable
-
-
-@functools.cache
-def _measured_float32_attention_is_faster(dtype: torch.dtype) -> bool:
-    # PyTorch's fused attention for the CPU, forward and backward at a training size, in each dtype (best of 5).
-    # Identity hooks on saved tensors: inside a forward pass under gradient checkpointing, the checkpoint's own
-    # hooks would otherwise take these tensors, and this backward pass would recompute the layer, and so call
-    # this measurement again.
-    def seconds(operand_dtype: torch.dtype) -> float:
-        operands = [torch.full((16, 4, 32, 32), 0.5, dtype=operand_dtype, requires_grad=True) for _ in range(3)]
-        return _best_seconds(lambda: F.scaled_dot_product_attention(*operands, is_causal=True).sum().backward(), 5)
-
-    identity = lambda tensor: tensor  # noqa: E731
-    with (
-        torch.inference_mode(False),  # under a caller's inference mode, no tensor could require gradients
-        torch.enable_grad(),
-        torch.autocast("cpu", enabled=False),
-        torch.autograd.graph.saved_tensors_hooks(identity, identity),
-    ):
-        float32 = seconds(torch.float32)
-        try:
-            return float32 < seconds(dtype)
-        except RuntimeError:  # no kernel for this dtype on this CPU
-            return True
-
-
-def float32_attention_is_faster(dtype: torch.dtype) -> bool:
-    """Whether attention (§3.2.1, Eq. 1) trains faster in float32 than in `dtype` on this CPU.
-
-    Under autocast PyTorch runs its fused attention kernel in the lower precision, whose backward pass
-    can take several times float32's on a CPU (docs/performance.md, "Mixed precision on CPUs"). Where
-    float32 is faster, `MultiHeadAttention` computes attention in float32 under CPU autocast
-    (`attention_in_float32`), as autocast keeps softmax and layer norms in float32, and the
-    projections still run in `dtype`. Measured once per process and dtype: the kernel's forward and
-    backward at a training size (16 sentences x 4 heads x 32 positions x 32 dimensions), in both
-    dtypes, best of 5 each (about 30 ms in all).
-
-    Args:
-        dtype: the lower precision, `torch.bfloat16` or `torch.float16`.
-
-    Returns:
-        True where float32 is faster, or where the kernel cannot run in `dtype` here.
-    """
-    with _MEASUREMENT_LOCK:  # one measurement, even when the first steps come from several threads at once
-        return _measured_float32_attention_is_faster(dtype)
-
-
-def attention_in_float32(query: torch.Tensor) -> bool:
-    """Whether attention (§3.2.1, Eq. 1) on `query` should run in float32 rather than under CPU autocast.
-
-    True under CPU autocast where `float32_attention_is_faster` for autocast's dtype: with or
-    without gradients alike, so that a checkpointed layer's recomputation computes what its first
-    pass did. Not while compiling (Inductor chooses its own kernels) or tracing, nor under `torch.func`
-    transforms or modes that watch the dispatcher, whose timings would mean nothing.
-
-    Args:
-        query: `(batch, heads, queries, d_k)`, for its device.
-
-    Returns:
-        True where `MultiHeadAttention` should give the kernel float32 operands with autocast off.
-    """
-    return (
-        not torch.compiler.is_compiling()
-        and query.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and _plain_dispatch()
-        and float32_attention_is_faster(torch.get_autocast_dtype("cpu"))
-    )
-
-
-def bfloat16_products_are_faster() -> bool:
-    """Whether this CPU computes the products of training (§3.2.2, §3.3, §3.4) clearly faster in bfloat16.
-
-    A CPU with bfloat16 instructions (AVX512_BF16, AMX) computes them about twice as fast as float32;
-    one without converts the operands and is slower (docs/performance.md, "Mixed precision on CPUs").
-    Measured on each call: a product of a training step's size (4,096 x 256 by 256 x 1,024), in
-    float32 as the model computes it (`linear`) and in bfloat16 under autocast, best of 5 each (about
-    0.1 s); "clearly" is at most 0.8 of float32's time, since bfloat16 also rounds.
-
-    Returns:
-        True where the bfloat16 product takes at most 0.8 of the float32 product's time.
-    """
-    input, weight = torch.full((4096, 256), 0.5), torch.full((1024, 256), 0.25)
-
-    def bfloat16_product() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return F.linear(input, weight)
-
-    with torch.no_grad():
-        return _best_seconds(bfloat16_product, 5) <= 0.8 * _best_seconds(lambda: linear(input, weight), 5)
+        return linear(input, self.weight, self.bias, self.kernels)
 
 
 # §5.4 Residual dropout ----------------------------------------------------------------------------
@@ -511,11 +281,11 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
     are never computed; without, they are computed and weighted 0, which spares the host the number of
     positions kept: a synchronisation that on an accelerator would stall the queue of kernels.
 
-    `apply(hidden, weight, bias, labels, epsilon, drop_ignored)` takes `(positions, d_model)` hidden
+    `apply(hidden, weight, bias, labels, epsilon, drop_ignored, kernels)` takes `(positions, d_model)` hidden
     states, the `(V, d_model)` weight, a `(V,)` bias or None, `(positions,)` labels (-100 ignored),
-    epsilon and a bool, and returns the summed loss in nats, a scalar in at least float32. Its
-    gradients are constants of the forward pass: differentiating them again raises RuntimeError
-    (`once_differentiable`). Under bfloat16 autocast its products take bfloat16 operands, as the
+    epsilon, a bool and the projection's `ProductKernels`, and returns the summed loss in nats, a scalar in at
+    least float32. Its gradients are constants of the forward pass: differentiating them again raises
+    RuntimeError (`once_differentiable`). Under bfloat16 autocast its products take bfloat16 operands, as the
     projection alone would under autocast, while the softmax and the gradients stay in float32.
     """
 
@@ -528,6 +298,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         epsilon: float,
         drop_ignored: bool,
+        kernels: ProductKernels,
     ) -> torch.Tensor:
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         device = hidden.device.type
@@ -558,10 +329,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
             )  # mixed precision: products in the hidden states' dtype
             # One library for every chunk, chosen for the whole batch, and one for the weight gradient's products: the
             # last, shorter chunk rounds as the others.
-            onednn = _uses_onednn(computed_hidden, weight, bias)
-            onednn_weight_gradients = onednn and _onednn_weight_gradient(
-                min(chunk, len(computed_hidden)), vocab_size, computed_hidden.shape[1], accumulate=True
-            )
+            onednn = _uses_onednn(computed_hidden, weight, bias, kernels)
+            onednn_weight_gradients = onednn and kernels.onednn_weight_gradient
             # Without oneDNN every chunk's logits go to one reused buffer: MKL's product into a fresh block pays for
             # faulting its pages in anew (docs/performance.md, "Fused projection and loss"); oneDNN's does not.
             logits_buffer = (
@@ -572,7 +341,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
             for start in range(0, computed_hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 if onednn:
-                    logits = _onednn_product(computed_hidden[rows], weight, bias)
+                    logits = onednn_product(computed_hidden[rows], weight, bias)
                 else:
                     logits = logits_buffer[: len(computed_hidden[rows])]
                     if mixed:
@@ -596,9 +365,9 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
                     grad.mul_(weights[rows])
                 loss += losses.sum()
                 # G W, a linear map whose weight is W^T
-                grad_computed[rows] = (_onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
+                grad_computed[rows] = (onednn_product if onednn else F.linear)(grad.to(weight.dtype), weight.t())
                 if onednn_weight_gradients:  # added separately: oneDNN's product cannot accumulate
-                    grad_weight += _transposed_product(grad, computed_hidden[rows], _onednn_product)
+                    grad_weight += transposed_product(grad, computed_hidden[rows], onednn_product)
                 elif mixed:  # the product in the hidden states' dtype, accumulated in float32
                     grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
                 else:
@@ -619,7 +388,7 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         # Scaled in float32 first, then cast: a loss scale (float16 training) acts before any rounding.
         grads = [g * grad_output if g is not None else None for g in ctx.saved_tensors]
         grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)]
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def linear_label_smoothed_cross_entropy(
@@ -629,6 +398,7 @@ def linear_label_smoothed_cross_entropy(
     epsilon: float,
     bias: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    kernels: ProductKernels = MKL_ONLY,
 ) -> torch.Tensor:
     """The label-smoothed cross entropy (§5.4) of the logits hidden W^T + b (§3.4), without materialising them.
 
@@ -645,6 +415,7 @@ def linear_label_smoothed_cross_entropy(
         epsilon: epsilon_ls in [0, 1).
         bias: `(vocab_size,)` or `(1, vocab_size)` fixed logit bias (imported Marian models), or None.
         num_items_in_batch: as in `label_smoothed_cross_entropy`.
+        kernels: the projection's libraries (its `Linear.kernels`); by default MKL alone.
 
     Returns:
         The scalar loss, in nats per target token.
@@ -656,6 +427,6 @@ def linear_label_smoothed_cross_entropy(
     # Ignored positions are left out on the CPU only: elsewhere it would cost a host synchronisation per step.
     drop_ignored = hidden.device.type == "cpu"
     loss = LinearLabelSmoothedCrossEntropy.apply(
-        hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored
+        hidden.flatten(0, 1), weight, bias, labels.flatten(), epsilon, drop_ignored, kernels
     )
     return loss / (labels.ne(-100).sum() if num_items_in_batch is None else num_items_in_batch)

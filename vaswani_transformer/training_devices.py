@@ -12,7 +12,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, TorchDynamoPlugin, broadcast, broadcast_object_list, parse_flag_from_env
 
 from . import checkpoints as ckpt
-from .ops_vaswani import bfloat16_products_are_faster
+from .kernels_vaswani import bfloat16_products_are_faster
 from .training_config import MIXED_PRECISIONS, TrainingConfig
 from .training_directory import read_record
 
