@@ -214,7 +214,7 @@ def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
         table = train.select_columns(["input_ids", "labels"])
 
-        def collate(indices):  # as training._batches' DataLoader: the collator over the selected rows
+        def collate(indices):  # as training_data.token_batches' DataLoader: the collator over the selected rows
             return collator([table[int(i)] for i in indices])
 
         source = {"data": str(args.data_dir), "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
