@@ -438,7 +438,8 @@ def test_translate_counts_sentences_translated_and_ends_its_bar_before_an_error(
     bar = err.split("\n")[-2].split("\r")[-1]
     assert re.match(r"Translating: 100%.* 6/6 \[[0-9:]+<00:00, +[0-9.]+(s/sent|sent/s)\]$", bar), err
     # An error after the first batch (a line over the model's limit) comes on a line of its own, not after the bar.
-    source.write_text(f"{SENTENCE}\n" * 5 + " ".join([SENTENCE] * 80) + "\n")
+    # (One sentence: without periods inside, the segmenter cannot split it.)
+    source.write_text(f"{SENTENCE}\n" * 5 + " and ".join([SENTENCE.rstrip(".")] * 80) + "\n")
     assert main(["translate", *options, "--long-inputs", "error"]) == 2
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 4

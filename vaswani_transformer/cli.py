@@ -47,16 +47,18 @@ def _add_num_workers(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_inference_options(parser: argparse.ArgumentParser) -> None:
+def _add_inference_options(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
     from .inference_config import InferenceConfig
 
-    _add_config_options(parser, InferenceConfig, {})
+    _add_config_options(parser, InferenceConfig, {}, skip)
 
 
 def _inference_config(args: argparse.Namespace) -> "InferenceConfig":
     from .inference_config import InferenceConfig
 
-    return InferenceConfig(**{name: getattr(args, name) for name in _option_names(InferenceConfig)})
+    # A command without an option (evaluate's split_sentences) takes the field's default.
+    given = [name for name in _option_names(InferenceConfig) if hasattr(args, name)]
+    return InferenceConfig(**{name: getattr(args, name) for name in given})
 
 
 def _option_names(config_class: type) -> list[str]:
@@ -64,11 +66,13 @@ def _option_names(config_class: type) -> list[str]:
     return [option.name for option in fields(config_class) if "help" in option.metadata]
 
 
-def _add_config_options(parser: argparse.ArgumentParser, config_class: type, groups: dict) -> None:
-    # One option per field of `config_class` with help, named, typed and defaulted by the field,
-    # in the `--help` section its metadata names (`groups` holds the sections made so far).
+def _add_config_options(
+    parser: argparse.ArgumentParser, config_class: type, groups: dict, skip: Collection[str] = ()
+) -> None:
+    # One option per field of `config_class` with help (but those in `skip`), named, typed and defaulted by the
+    # field, in the `--help` section its metadata names (`groups` holds the sections made so far).
     for option in fields(config_class):
-        if "help" not in option.metadata:
+        if "help" not in option.metadata or option.name in skip:
             continue
         settings = dict(option.metadata)
         name = settings.pop("group")
@@ -126,12 +130,14 @@ def _add_evaluate_options(evaluate: argparse.ArgumentParser) -> None:
         "model as saved)",
     )
     _add_num_workers(evaluate)
-    _add_inference_options(evaluate)
+    _add_inference_options(evaluate, skip={"split_sentences"})  # scored line by line, as the references are
 
 
 def _add_translate_options(translate: argparse.ArgumentParser) -> None:
     translate.add_argument("--model", required=True, help="model directory or Hub id")
-    translate.add_argument("--input", default="-", help="file of sentences, one per line; - for stdin (default)")
+    translate.add_argument(
+        "--input", default="-", help="text file, each line split into sentences (--no-split-sentences); - for stdin"
+    )
     translate.add_argument(
         "--attention-dir",
         default=None,
@@ -195,7 +201,12 @@ def _add_export_options(export: argparse.ArgumentParser) -> None:
 def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     from .serving_config import ServingConfig
 
-    serve.add_argument("model", metavar="MODEL", help="model directory or Hub id")
+    serve.add_argument(
+        "models",
+        metavar="MODEL",
+        nargs="+",
+        help="model directory or Hub id, or SRC-TGT=MODEL (en-de=DIR1 de-en=DIR2: several pairs, each batched alone)",
+    )
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
     _add_inference_options(serve)
@@ -305,7 +316,14 @@ def _evaluate(args: argparse.Namespace) -> None:
                 f"({getattr(error.__cause__, 'strerror', None) or error}): pass --no-model-card, or fix the permissions"
             ) from error
     hypotheses = translate(
-        engine, engine.tokenizer, sources, _batch_size(args, config), True, config.long_inputs, args.num_workers
+        engine,
+        engine.tokenizer,
+        sources,
+        _batch_size(args, config),
+        True,
+        config.long_inputs,
+        args.num_workers,
+        split_sentences=False,
     )
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
@@ -379,7 +397,7 @@ def _translate(args: argparse.Namespace) -> None:
 
     from .data import iter_lines
     from .files import ensure_writable
-    from .inference import load_engine
+    from .inference import load_engine, model_languages
     from .translation import translate_stream
 
     config = _inference_config(args)
@@ -414,8 +432,19 @@ def _translate(args: argparse.Namespace) -> None:
             sources.append(line.rstrip("\n"))
             yield line
 
+    try:  # the source language picks the segmenter's rules (abbreviations, punctuation)
+        source_lang = model_languages(args.model)[0]
+    except ValueError:  # a model that does not say: English's rules
+        source_lang = None
     stream = translate_stream(
-        engine, tokenizer, remembered(lines), _batch_size(args, config), config.long_inputs, args.num_workers
+        engine,
+        tokenizer,
+        remembered(lines),
+        _batch_size(args, config),
+        config.long_inputs,
+        args.num_workers,
+        config.split_sentences,
+        source_lang,
     )
     # A progress bar (on stderr) for files, in sentences translated, with the time left; stdin is answered line by
     # line without one. Log records are written above the bar, and it ends its line before an error is printed.
@@ -479,7 +508,7 @@ def _serve(args: argparse.Namespace) -> None:
     inference = _inference_config(args)
     from .serving import serve
 
-    serve(args.model, config, inference, args.source_lang, args.target_lang)
+    serve(args.models, config, inference, args.source_lang, args.target_lang)
 
 
 # Each command: its line in `--help`, the function that adds its options, and the one that runs it.

@@ -13,7 +13,10 @@ from .options import option
 # What translates: the model's generate(), or its CTranslate2 export.
 ENGINES = ("torch", "ctranslate2")
 # What to do with a sentence over the model's limit. Refusing comes first: a truncated sentence loses text.
-LONG_INPUTS = ("error", "truncate")
+# "split" cuts it at a clause or word boundary and translates the pieces (segmentation.fit_to_limit).
+LONG_INPUTS = ("error", "truncate", "split")
+# Whether `translate` and `serve` split a text into sentences (segmentation.split_sentences); `evaluate` never does.
+SPLIT_SENTENCES = True
 # Sentences per generate() call where the caller does not say.
 BATCH_SIZE = 64
 ENGINE, DECODING = "engine", "decoding"  # the sections of --help
@@ -72,9 +75,17 @@ class InferenceConfig:
     long_inputs: str = option(
         LONG_INPUTS[0],
         help="a sentence longer than the model's limit (its tokenizer's model_max_length, in tokens): stop with an "
-        "error naming it, or truncate it with one warning",
+        "error naming it, truncate it with one warning, or split it at a clause or word boundary with one warning",
         group=DECODING,
         choices=LONG_INPUTS,
+    )
+
+    split_sentences: bool = option(
+        SPLIT_SENTENCES,
+        help="translate and serve split each line (and HTML text node) into sentences, translate them and put the "
+        "text back together; the flag translates each line whole, for one sentence per line (evaluate always does)",
+        group=DECODING,
+        flag="--no-split-sentences",
     )
 
     def __post_init__(self) -> None:

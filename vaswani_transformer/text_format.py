@@ -1,13 +1,15 @@
 """LibreTranslate's two text formats (`format` "text" and "html"): the sentences of a text, and its translation rebuilt.
 
-The model translates sentences, one per line, as it was trained; `serving.py` calls `split_text`
-for every text of a request and `rebuild` with the translations.
+The model translates sentences, one at a time, as it was trained; `serving.py` and `translation.py` call
+`split_text` for every text and `rebuild` with the translations.
 """
 
 import html
 import re
 from collections.abc import Callable
 from html.parser import HTMLParser
+
+from .segmentation import split_sentences
 
 
 class _HTMLText(HTMLParser):
@@ -62,28 +64,59 @@ class _HTMLText(HTMLParser):
         self.parts.append(f"<![{data}]]>" if data.startswith("CDATA[") else f"<![{data}]>")
 
 
-def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[str]], str]]:
+def _line_sentences(line: str, language: str | None, split: bool) -> tuple[list[str], list[tuple[str, str]]]:
+    # The sentences of a line (stripped) and the whitespace around each, which the rebuilt line keeps.
+    pieces = split_sentences(line, language) if split else [line]
+    sentences = [piece.strip() for piece in pieces]
+    spaces = []
+    for piece, sentence in zip(pieces, sentences, strict=True):
+        lead = piece[: len(piece) - len(piece.lstrip())]
+        spaces.append((lead, piece[len(lead) + len(sentence) :]) if sentence else (piece, ""))
+    return sentences, spaces
+
+
+def _glue(spaces: list[tuple[str, str]], translations: list[str], escape: Callable[[str], str]) -> str:
+    pairs = zip(spaces, translations, strict=True)
+    return "".join(lead + escape(translation) + trail for (lead, trail), translation in pairs)
+
+
+def split_text(
+    text: str, text_format: str, language: str | None = None, sentences: bool = True
+) -> tuple[list[str], Callable[[list[str]], str]]:
     """The sentences to translate in one text, and the function that puts their translations back.
 
-    Text: one sentence per line (the model translates sentences, as it was trained); line breaks
-    are kept, a blank line stays blank. HTML: each text node, its whitespace collapsed; tags,
-    attributes, comments, scripts and styles are kept as written.
+    Text: each line split into sentences (`segmentation.split_sentences`); line breaks and the spaces between
+    sentences are kept, a blank line stays blank. HTML: each text node, its whitespace collapsed, split into
+    sentences; tags, attributes, comments, scripts and styles are kept as written, and the translations are
+    escaped (a translation never becomes markup).
 
-    See docs/serving.md, "The API".
+    See docs/serving.md, "Sentences and paragraphs".
 
     Args:
-        text: one text of `q`.
+        text: one text of `q`, or a file's.
         text_format: "text" or "html".
+        language: ISO 639-1 code of the text, for the segmenter's rules; None for English's.
+        sentences: False translates each line (or text node) whole, for one sentence per line.
 
     Returns:
-        (sentences, rebuild), where `rebuild(translations)` gives the translated text.
+        (sentences, rebuild), where `rebuild(translations)` gives the translated text; a blank sentence (whitespace
+        of the layout) is "" and needs no translation.
 
     Raises:
         ValueError: HTML that Python's parser cannot read (some `<![` sections).
     """
     if text_format == "text":
-        lines = re.split(r"\r?\n", text)
-        return lines, "\n".join
+        lines = [_line_sentences(line, language, sentences) for line in re.split(r"\r?\n", text)]
+        found = [sentence for line_sentences, _ in lines for sentence in line_sentences]
+
+        def rebuild_text(translations: list[str]) -> str:
+            out, start = [], 0
+            for line_sentences, spaces in lines:
+                out.append(_glue(spaces, translations[start : start + len(line_sentences)], str))
+                start += len(line_sentences)
+            return "\n".join(out)
+
+        return found, rebuild_text
     parser = _HTMLText()
     try:
         parser.feed(text)
@@ -92,7 +125,14 @@ def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[s
         raise ValueError(f"the HTML cannot be parsed ({error or 'an unreadable <![ section'})") from error
     if parser.rawdata:  # an unclosed script or style, which the parser holds back: code, kept as written
         parser.parts.append(parser.rawdata)
-    sentences = [" ".join(node.split()) for node in parser.texts]
+    nodes = [_line_sentences(" ".join(node.split()), language, sentences) for node in parser.texts]
+    found = [sentence for node_sentences, _ in nodes for sentence in node_sentences]
+    starts = [0]
+    for node_sentences, _ in nodes:
+        starts.append(starts[-1] + len(node_sentences))
+
+    def escape(translation: str) -> str:
+        return html.escape(translation, quote=False)
 
     def rebuild(translations: list[str]) -> str:
         out = []
@@ -102,7 +142,8 @@ def split_text(text: str, text_format: str) -> tuple[list[str], Callable[[list[s
                 continue
             node = parser.texts[part]
             leading, trailing = node[: len(node) - len(node.lstrip())], node[len(node.rstrip()) :]
-            out.append(leading + html.escape(translations[part], quote=False) + trailing)
+            glued = _glue(nodes[part][1], translations[starts[part] : starts[part + 1]], escape)
+            out.append(leading + glued.strip() + trailing)
         return "".join(out)
 
-    return sentences, rebuild
+    return found, rebuild

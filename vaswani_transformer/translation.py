@@ -9,6 +9,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import evaluate
@@ -21,7 +22,9 @@ from transformers import (
 
 from .generation_vaswani import check_num_beams
 from .inference import Engine, TorchEngine
-from .inference_config import BATCH_SIZE, LONG_INPUTS
+from .inference_config import BATCH_SIZE, LONG_INPUTS, SPLIT_SENTENCES
+from .segmentation import Pieces, fit_to_limit
+from .text_format import split_text
 from .tokenization import tokenizer_lock
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
@@ -150,43 +153,92 @@ def _check_num_workers(engine: Engine, num_workers: int) -> None:
         )
 
 
-class _Translator:
-    """Translates batches of sentences with an engine, applying the user's choice for too-long sources.
+@dataclass(frozen=True)
+class _Prepared:
+    """Texts ready to translate: the pieces the engine is given, and how their translations become the texts'."""
 
-    Sources longer than the engine's `source_limit` are truncated to it with one warning per instance (one per
-    `translate` call or stream), or raise, as `long_inputs` says.
+    pieces: Pieces
+    sentences: list[int]  # how many sentences each text holds
+    rebuilds: list[Callable[[list[str]], str]]
+
+    def finish(self, translations: list[str]) -> list[str]:
+        """One translated text per text, from one translation per piece."""
+        per_sentence = self.pieces.join(translations, sum(self.sentences))
+        texts, start = [], 0
+        for count, rebuild in zip(self.sentences, self.rebuilds, strict=True):
+            texts.append(rebuild(per_sentence[start : start + count]))
+            start += count
+        return texts
+
+
+class _Translator:
+    """Translates batches of texts with an engine: their sentences, and the user's choice for too-long ones.
+
+    Each text is split into sentences (`text_format.split_text`) unless `split_sentences` is False. Sentences longer
+    than the engine's `source_limit` raise, are split at a clause or word boundary (`segmentation.fit_to_limit`,
+    one warning per batch), or are truncated to it with one warning per instance (one per `translate` call or
+    stream), as `long_inputs` says.
     """
 
-    def __init__(self, engine: Engine, batch_size: int, long_inputs: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        batch_size: int,
+        long_inputs: str,
+        split_sentences: bool = False,
+        source_lang: str | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
         if long_inputs not in LONG_INPUTS:
             raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {long_inputs!r}.")
         self.engine, self.batch_size, self.long_inputs = engine, batch_size, long_inputs
+        self.split_sentences, self.source_lang = split_sentences, source_lang
         self.warned = False
 
-    def check_lengths(self, sentences: list[str], first_number: int) -> None:
-        """Raise or warn (once) for sentences over the limit; `first_number` is the 1-based number of `sentences[0]`."""
-        limit, tokenizer = self.engine.source_limit, self.engine.tokenizer
-        if limit is None or self.warned or not sentences:  # the tokenizer fails on an empty list
-            return
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's source tokens, `</s>` included."""
+        if not texts:  # the tokenizer fails on an empty list
+            return []
+        tokenizer = self.engine.tokenizer
         # verbose=False: transformers would add its own warning about the length to ours.
         with tokenizer_lock(tokenizer):
-            lengths = [len(ids) for ids in tokenizer(sentences, verbose=False)["input_ids"]]
-        too_long = next((i for i, length in enumerate(lengths) if length > limit), None)
-        if too_long is None:
-            return
-        problem = (
-            f"Sentence {first_number + too_long} has {lengths[too_long]} tokens, more than the model's limit of "
-            f"{limit} ({self.engine.limit_name})"
-        )
-        if self.long_inputs == "error":
-            raise ValueError(f"{problem}; shorten or split it, or pass long_inputs='truncate' (--long-inputs).")
-        logger.warning(
-            f"{problem}: it and any other sentence that long are truncated to {limit} tokens "
-            "(warned once); pass long_inputs='error' (--long-inputs error) to fail instead."
-        )
-        self.warned = True
+            return [len(ids) for ids in tokenizer(texts, verbose=False)["input_ids"]]
+
+    def prepare(self, texts: list[str], first_number: int) -> _Prepared:
+        """Split `texts` into sentences and check them against the limit; `first_number` is `texts[0]`'s (1-based).
+
+        Raises:
+            ValueError: with long_inputs="error", a sentence over the limit, named by its text's number.
+        """
+        splits = [split_text(text, "text", self.source_lang, self.split_sentences) for text in texts]
+        sentences = [sentence for found, _ in splits for sentence in found]
+        counts, rebuilds = [len(found) for found, _ in splits], [rebuild for _, rebuild in splits]
+        limit = self.engine.source_limit
+        lengths = self.count_tokens(sentences) if limit is not None else [0] * len(sentences)
+        too_long = next((i for i, length in enumerate(lengths) if length > limit), None) if limit else None
+        if too_long is not None and self.long_inputs == "split":
+            pieces = fit_to_limit(sentences, lengths, limit, lambda text: self.count_tokens([text])[0])
+            return _Prepared(pieces, counts, rebuilds)
+        if too_long is not None and not self.warned:
+            line = next(t for t in range(len(counts)) if sum(counts[: t + 1]) > too_long)
+            where = f"Sentence {first_number + line}"
+            if counts[line] > 1:
+                where = f"Sentence {too_long - sum(counts[:line]) + 1} of line {first_number + line}"
+            problem = (
+                f"{where} has {lengths[too_long]} tokens, more than the model's limit of {limit} "
+                f"({self.engine.limit_name})"
+            )
+            if self.long_inputs == "error":
+                raise ValueError(
+                    f"{problem}; shorten or split it, or pass long_inputs='split' or 'truncate' (--long-inputs)."
+                )
+            logger.warning(
+                f"{problem}: it and any other sentence that long are truncated to {limit} tokens "
+                "(warned once); pass long_inputs='error' (--long-inputs error) to fail instead."
+            )
+            self.warned = True
+        return _Prepared(Pieces(sentences, lengths, list(range(len(sentences))), []), counts, rebuilds)
 
     def translate(self, sentences: list[str], num_workers: int = 1, progress: tqdm | None = None) -> list[str]:
         """Translate `sentences` (already checked) in batches of similar length; the output keeps their order.
@@ -243,31 +295,39 @@ def translate(
     progress: bool = False,
     long_inputs: str = LONG_INPUTS[0],
     num_workers: int = 1,
+    split_sentences: bool = SPLIT_SENTENCES,
+    source_lang: str | None = None,
     **generate_kwargs,
 ) -> list[str]:
-    """Translate sentences in batches of similar length with `model.generate()`.
+    """Translate texts sentence by sentence, in batches of similar length, with `model.generate()`.
 
-    Decoding follows the model's generation config (beam 4 and length penalty 0.6 for models
-    trained here, §6.1) unless `generate_kwargs` say otherwise. Every sentence is measured before
-    any is translated, so `long_inputs="error"` fails before doing work.
+    Each text is split into sentences (`text_format.split_text`: a paragraph's sentences, its line breaks and spaces
+    kept), unless `split_sentences` is False; all the sentences of the call are sorted by length into batches, and
+    each text is put back together from its sentences' translations. Decoding follows the model's generation config
+    (beam 4 and length penalty 0.6 for models trained here, §6.1) unless `generate_kwargs` say otherwise. Every
+    sentence is measured before any is translated, so `long_inputs="error"` fails before doing work.
 
     Args:
         model, tokenizer: from `inference.load_translator`, or an engine from `inference.load_engine` (with
             `engine="ctranslate2"`, CTranslate2's beam search, nearly always the same translations: see
             `inference.CTranslate2Engine`; an engine takes no `generate_kwargs`) and its tokenizer.
-        sentences: source sentences; an empty (or blank) string translates to an empty string, an
-            empty list to an empty list, without calling the model.
+        sentences: source texts (a sentence, a line, a paragraph); an empty (or blank) string translates to an
+            empty string, an empty list to an empty list, without calling the model.
         batch_size: sentences per `generate()` call.
         progress: show a progress bar (in sentences).
-        long_inputs: for sources longer than the engine's `source_limit` (tokens): "error" (the default:
-            `InferenceConfig`'s), or "truncate" them to it with one warning (logged).
+        long_inputs: for sentences longer than the engine's `source_limit` (tokens): "error" (the default:
+            `InferenceConfig`'s), "truncate" them to it with one warning (logged), or "split" them at a clause or
+            word boundary with one warning (`segmentation.fit_to_limit`).
         num_workers: CPU processes that translate batches side by side, one thread each
             (`map_in_workers`; Linux and other Unixes, not macOS or Windows); 1 (the default)
             translates here with PyTorch's threads.
+        split_sentences: split each text into sentences (the default, `InferenceConfig`'s); False translates each
+            text whole, for one sentence per line (`evaluate`, validation BLEU).
+        source_lang: ISO 639-1 code of the texts, for the segmenter's rules (`segmentation.split_sentences`).
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
-        One translation per sentence, detokenized, in the input's order. Non-blank sentences that translate to an
+        One translation per text, detokenized, in the input's order. Non-blank sentences that translate to an
         empty string are counted in one warning (logged) per call.
 
     Raises:
@@ -280,10 +340,11 @@ def translate(
         raise TypeError("translate() takes a list of sentences: write translate(model, tokenizer, [sentence]).")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs)
-    translator.check_lengths(sentences, first_number=1)
-    with tqdm(total=len(sentences), unit="sent", desc="Translating", disable=not progress) as bar:
-        translations = translator.translate(sentences, num_workers, bar)
+    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang)
+    prepared = translator.prepare(sentences, first_number=1)
+    pieces = prepared.pieces.texts
+    with tqdm(total=len(pieces), unit="sent", desc="Translating", disable=not progress) as bar:
+        translations = prepared.finish(translator.translate(pieces, num_workers, bar))
     warn_of_empty_translations(sentences, translations)
     return translations
 
@@ -295,12 +356,15 @@ def translate_stream(
     batch_size: int = BATCH_SIZE,
     long_inputs: str = LONG_INPUTS[0],
     num_workers: int = 1,
+    split_sentences: bool = SPLIT_SENTENCES,
+    source_lang: str | None = None,
     **generate_kwargs,
 ) -> Iterator[str]:
     """Translate lines as they arrive (e.g. from stdin), `batch_size` at a time, in order.
 
     A line is translated as soon as its batch is full or the input ends; pass `batch_size=1` to
-    answer every line at once in an interactive session. With `num_workers` above 1 the workers
+    answer every line at once in an interactive session. Each line is split into sentences, as `translate` splits
+    a text, unless `split_sentences` is False; `batch_size` counts lines. With `num_workers` above 1 the workers
     take up to two batches each ahead of the output, for files rather than a terminal. Lines lose a
     trailing newline; an empty line gives an empty line, and no lines give no output. Arguments and
     errors are those of `translate` (sentence numbers count from the first line of the stream); a
@@ -314,8 +378,9 @@ def translate_stream(
         raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs)
-    handed_out: deque[list[str]] = deque()  # the batches given to the workers, whose translations come back in order
+    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang)
+    # The batches given to the workers, whose translations come back in order.
+    handed_out: deque[tuple[list[str], _Prepared]] = deque()
 
     def checked_batches(lines: Iterator[str]) -> Iterator[list[str]]:
         first_number, unreadable = 1, None
@@ -328,17 +393,18 @@ def translate_stream(
                 unreadable = error
             if not batch:
                 break
-            translator.check_lengths(batch, first_number)
-            handed_out.append(batch)
-            yield batch
+            prepared = translator.prepare(batch, first_number)
+            handed_out.append((batch, prepared))
+            yield prepared.pieces.texts
             first_number += len(batch)
         if unreadable is not None:
             raise unreadable
 
     empty, non_blank, first_number = [], 0, 1
     try:
-        for translations in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
-            batch = handed_out.popleft()
+        for translated in map_in_workers(translator.translate, checked_batches(iter(lines)), num_workers):
+            batch, prepared = handed_out.popleft()
+            translations = prepared.finish(translated)
             empty += _empty_translations(batch, translations, first_number)
             non_blank += sum(bool(line.strip()) for line in batch)
             first_number += len(batch)
@@ -396,7 +462,7 @@ def validation_bleu(
     model.eval()
     try:
         # A development set's long sentence is truncated, as it was in training, not fatal to the run.
-        hypotheses = translate(model, tokenizer, sources, BATCH_SIZE, long_inputs="truncate")
+        hypotheses = translate(model, tokenizer, sources, BATCH_SIZE, long_inputs="truncate", split_sentences=False)
     finally:  # a failed validation must not leave the run training without dropout
         model.train()
     return round(corpus_bleu(hypotheses, references)["score"], 2)
@@ -443,7 +509,14 @@ def choose_decoding(
         for alpha in length_penalties if beams > 1 else [None]:
             penalty = {} if alpha is None else {"length_penalty": alpha}
             hypotheses = translate(
-                model, tokenizer, sources, batch_size, long_inputs="truncate", num_beams=beams, **penalty
+                model,
+                tokenizer,
+                sources,
+                batch_size,
+                long_inputs="truncate",
+                split_sentences=False,
+                num_beams=beams,
+                **penalty,
             )
             bleu = round(corpus_bleu(hypotheses, references)["score"], 2)
             tried.append({"num_beams": beams, "length_penalty": alpha, "bleu": bleu})
