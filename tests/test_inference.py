@@ -19,7 +19,7 @@ def test_the_torch_engine_gives_generates_translations_in_order_and_blank_lines_
     expected = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
     calls = []
     batch = engine._translate_batch
-    engine._translate_batch = lambda sentences: calls.append(sentences) or batch(sentences)
+    engine._translate_batch = lambda sentences, count: calls.append(sentences) or batch(sentences, count)
     assert engine.translate([sources[0], " ", sources[1], "", sources[2]]) == [
         expected[0], "", expected[1], "", expected[2]
     ]  # fmt: skip

@@ -16,17 +16,24 @@ class _Blocking:
 
     def __init__(self, fail_on: str | None = None) -> None:
         self.batches: list[list[str]] = []
+        self.counts: list[int] = []  # hypotheses asked for, per call
         self.release, self.started = threading.Event(), threading.Event()
         self.fail_on = fail_on
 
-    def __call__(self, sentences: list[str]) -> list[str]:
+    def __call__(self, sentences: list[str], count: int) -> list[list[str]]:
         self.batches.append(list(sentences))
+        self.counts.append(count)
         if len(self.batches) == 1:
             self.started.set()
             self.release.wait(30)
         if self.fail_on in sentences:
             raise RuntimeError(f"cannot translate {self.fail_on}")
-        return [s.upper() for s in sentences]
+        return [[s.upper(), s.title(), s + "!"][:count] for s in sentences]
+
+
+def best(future: Future, timeout: float | None = None) -> list[str]:
+    """The best translation of each sentence of a request."""
+    return [found[0] for found in future.result(timeout)]
 
 
 def _submit_while_busy(batcher: MicroBatcher, engine: _Blocking, requests: list[list[str]], **options) -> list:
@@ -42,7 +49,7 @@ def test_micro_batcher_translates_waiting_requests_together_and_answers_each_its
     batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, batch_size=100)
     requests = [["a", "b"], ["c"], ["d", "e", "f"]]
     futures = _submit_while_busy(batcher, engine, requests)
-    assert [future.result(30) for future in futures] == [["FIRST"], ["A", "B"], ["C"], ["D", "E", "F"]]
+    assert [best(future, 30) for future in futures] == [["FIRST"], ["A", "B"], ["C"], ["D", "E", "F"]]
     assert engine.batches == [["first"], ["a", "c", "d", "b", "e", "f"]]  # a sentence of each request in turn
     batcher.close()
 
@@ -58,7 +65,7 @@ def test_micro_batcher_requests_take_turns_so_a_small_one_behind_a_big_one_is_an
     batcher.close()
     assert answered == ["small", "big"]
     assert engine.batches == [["first"], ["b0", "s", "b1"], ["b2", "b3", "b4"], ["b5", "b6", "b7"], ["b8"]]
-    assert futures[1].result() == [sentence.upper() for sentence in big] and futures[2].result() == ["S"]
+    assert best(futures[1]) == [sentence.upper() for sentence in big] and best(futures[2]) == ["S"]
 
 
 def test_micro_batcher_budgets_hold_and_one_at_a_time_means_one_sentence_per_call():
@@ -71,7 +78,7 @@ def test_micro_batcher_budgets_hold_and_one_at_a_time_means_one_sentence_per_cal
     batcher.close()
     # Tokens: a (3) and c (2) fill the budget of 5; d alone is over it, a batch of its own.
     assert engine.batches == [["first"], ["a", "c"], ["b"], ["d"]]
-    assert [future.result() for future in [first, *futures]] == [["FIRST"], ["A", "B"], ["C", "D"]]
+    assert [best(future) for future in [first, *futures]] == [["FIRST"], ["A", "B"], ["C", "D"]]
 
     engine = _Blocking()
     batcher = MicroBatcher(engine, batch_wait_ms=0, batch_size=1)
@@ -92,11 +99,26 @@ def test_micro_batcher_refuses_a_request_past_its_deadline_and_translates_no_mor
     batcher.close()
     with pytest.raises(TimeoutError, match="0.001 s"):
         late.result()
-    assert first.result() == ["FIRST"] and timely.result() == ["C"]
+    assert best(first) == ["FIRST"] and best(timely) == ["C"]
     assert engine.batches == [["first"], ["c"]]
     assert batcher.sentences_in_flight == 0
     with pytest.raises(ValueError, match="timeout"):
         batcher.submit(["d"], [1], timeout=0)
+
+
+def test_a_request_for_alternatives_shares_a_batch_and_each_request_gets_the_hypotheses_it_asked_for():
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, batch_size=100)
+    first = batcher.submit(["first"], [1])
+    assert engine.started.wait(30)
+    plain, three = batcher.submit(["a dog"], [2]), batcher.submit(["a cat", "x"], [2, 1], hypotheses=3)
+    engine.release.set()
+    batcher.close()
+    assert engine.batches == [["first"], ["a dog", "a cat", "x"]] and engine.counts == [1, 3]
+    assert plain.result() == [["A DOG"]] and first.result() == [["FIRST"]]
+    assert three.result() == [["A CAT", "A Cat", "a cat!"], ["X", "X", "x!"]]
+    with pytest.raises(ValueError, match="hypotheses must be at least 1"):
+        batcher.submit(["y"], [1], hypotheses=0)
 
 
 def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_queue():
@@ -105,7 +127,7 @@ def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_
     futures = _submit_while_busy(batcher, engine, [["a"], ["bad", "b"], ["c"]])
     batcher.close()  # returns once everything queued before it is answered
     assert all(future.done() for future in futures)
-    assert futures[1].result() == ["A"] and futures[3].result() == ["C"]
+    assert best(futures[1]) == ["A"] and best(futures[3]) == ["C"]
     with pytest.raises(RuntimeError, match="cannot translate bad"):
         futures[2].result()
     assert batcher.sentences_in_flight == 0

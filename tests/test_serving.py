@@ -142,12 +142,16 @@ def test_libretranslate_request_and_response_shapes(server, sentences, reference
     )
     status, body = call(f"{server.url}/translate", {"q": [first, second], "source": "auto", "target": "de"})
     assert status == 200
-    assert body == {
-        "translatedText": [references[first], references[second]],
-        "detectedLanguage": [{"confidence": 100.0, "language": "en"}] * 2,
-    }
-    status, body = call(f"{server.url}/translate", {"q": first, "source": "en", "target": "de", "alternatives": 2})
-    assert (status, body) == (200, {"translatedText": references[first], "alternatives": []})
+    assert body["translatedText"] == [references[first], references[second]]
+    detected = body["detectedLanguage"]  # one language for the request, Lingua's confidence in percent
+    assert detected[0] == detected[1] and detected[0]["language"] == "en" and 90 < detected[0]["confidence"] <= 100
+    status, body = call(f"{server.url}/translate", {"q": first, "source": "en", "target": "de", "alternatives": 3})
+    assert (status, body["translatedText"]) == (200, references[first])  # the plain call's, from the same search
+    assert len(body["alternatives"]) == 3 and len({references[first], *body["alternatives"]}) == 4
+    assert call(f"{server.url}/translate", {"q": first, "source": "en", "target": "de", "alternatives": 4}) == (
+        400,
+        {"error": "Invalid request: alternatives parameter must be <= 3"},
+    )
     # One sentence per line, line breaks kept; HTML: text nodes translated, markup kept.
     status, body = call(f"{server.url}/translate", {"q": f"{first}\n\n{second}", "source": "en", "target": "de"})
     assert (status, body["translatedText"]) == (200, f"{references[first]}\n\n{references[second]}")
@@ -159,6 +163,59 @@ def test_libretranslate_request_and_response_shapes(server, sentences, reference
     )
     status, health = call(f"{server.url}/health")
     assert status == 200 and health["status"] == "ok" and health["engine"] == "torch"
+
+
+def test_a_paragraph_is_translated_sentence_by_sentence_with_its_layout_kept(server, sentences, references):
+    # Two paragraphs of real test sentences, joined with spaces and a blank line, as people paste them.
+    text = "  " + " ".join(sentences[:3]) + "\n\n" + sentences[3] + "   " + sentences[4] + "\n"
+    status, body = call(f"{server.url}/translate", {"q": text, "source": "en", "target": "de"})
+    expected = "  " + " ".join(references[s] for s in sentences[:3]) + "\n\n"
+    assert (status, body["translatedText"]) == (
+        200,
+        expected + references[sentences[3]] + "   " + references[sentences[4]] + "\n",
+    )
+    status, body = call(f"{server.url}/translate", {"q": f"<p>{sentences[0]} {sentences[1]}</p>", "source": "en",
+                                                    "target": "de", "format": "html"})  # fmt: skip
+    assert (status, body["translatedText"]) == (200, f"<p>{references[sentences[0]]} {references[sentences[1]]}</p>")
+
+
+def test_detect_and_source_auto_find_the_language_and_metrics_are_scraped(server, corpus):
+    test = corpus["test_2016_flickr"]
+    checked = [(sentence, "en") for sentence in test["en"][:20]] + [(sentence, "de") for sentence in test["de"][:20]]
+    found = [call(f"{server.url}/detect", {"q": sentence})[1][0]["language"] for sentence, _ in checked]
+    assert sum(f == language for f, (_, language) in zip(found, checked, strict=True)) >= 0.97 * len(checked)
+    status, body = call(f"{server.url}/translate", {"q": test["de"][0], "source": "auto", "target": "de"})
+    assert status == 400 and "detected as 'de'" in body["error"]  # this server translates en -> de only
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=60) as response:
+        scraped = response.read().decode()
+    assert response.headers["Content-Type"].startswith("text/plain")
+    assert 'vaswani_requests_total{endpoint="/detect",status="200"} 40.0' in scraped
+    assert (
+        'vaswani_sentences_total{pair="en-de"}' in scraped
+        and 'vaswani_batch_sentences_bucket{le="1.0",pair="en-de"}' in scraped
+    )
+    assert 'vaswani_request_duration_seconds_count{endpoint="/detect"} 40.0' in scraped
+
+
+def test_keys_and_request_limits_answer_403_and_429_as_libretranslate_does(trained_model_dir, tmp_path, sentences):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"good": {"req_limit": 2}, "small": {"char_limit": 20}}))
+    running = Server(trained_model_dir, tmp_path / "server.log", "--api-keys", str(keys), "--req-limit", "3")
+    try:
+        ask = {"q": "A dog.", "source": "en", "target": "de"}
+        assert call(f"{running.url}/translate", {**ask, "api_key": "wrong"}) == (403, {"error": "Invalid API key"})
+        assert [call(f"{running.url}/translate", {**ask, "api_key": "good"})[0] for _ in range(3)] == [200, 200, 429]
+        assert call(f"{running.url}/translate", {**ask, "api_key": "good"}) == (
+            429,
+            {"error": "Slowdown: 2 per 1 minute"},
+        )
+        status, body = call(f"{running.url}/translate", {**ask, "q": sentences[0], "api_key": "small"})
+        assert (status, body["error"]) == (400, f"Invalid request: q has {len(sentences[0])} characters, more than "
+                                                "the limit of 20")  # fmt: skip
+        # Without a key, the address has the server's 3 a minute; a refused key and a key's requests count apart.
+        assert [call(f"{running.url}/detect", {"q": "A dog."})[0] for _ in range(4)] == [200, 200, 200, 429]
+    finally:
+        assert running.stop() == 0
 
 
 def test_an_existing_libretranslate_client_works_unchanged(server, sentences, references):
@@ -481,11 +538,11 @@ def test_serve_logs_the_sentences_an_engine_translates_to_nothing(caplog):
     from vaswani_transformer.serving import _logging_empty
 
     class Ending:  # an engine whose beam search ends one sentence at its first step
-        def translate(self, sentences: list[str]) -> list[str]:
-            return ["" if "<script>" in s else s.upper() for s in sentences]
+        def hypotheses(self, sentences: list[str], count: int) -> list[list[str]]:
+            return [["" if "<script>" in s else s.upper()] * count for s in sentences]
 
     with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
-        assert _logging_empty(Ending())(["a dog.", "Two <script>alert(2)</script> men."]) == ["A DOG.", ""]
-        assert _logging_empty(Ending())(["a cat."]) == ["A CAT."]
+        assert _logging_empty(Ending())(["a dog.", "Two <script>alert(2)</script> men."], 1) == [["A DOG."], [""]]
+        assert _logging_empty(Ending())(["a cat."], 2) == [["A CAT.", "A CAT."]]
     warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.translation"]
     assert len(warnings) == 1 and warnings[0].startswith("1 of 2 non-blank sentences translated to an empty string")

@@ -5,6 +5,7 @@
 Both decode as the paper does (§6.1): beam 4, GNMT length penalty 0.6, output at most input length + 50.
 """
 
+import json
 import pickle
 from pathlib import Path
 
@@ -95,6 +96,7 @@ class Engine:
         source_limit: the longest source, in tokens with `</s>`, the engine reads whole; None for no limit.
         limit_name: what sets `source_limit`, for messages.
         runs_in_cpu_workers: whether `translation.map_in_workers` may fork it into CPU processes.
+        beam_size: the beam search's beams where they differ from the generation config's; None for its own.
     """
 
     name: str
@@ -103,6 +105,7 @@ class Engine:
     source_limit: int | None
     limit_name: str
     runs_in_cpu_workers: bool = False
+    beam_size: int | None = None
 
     def translate(self, sentences: list[str]) -> list[str]:
         """One translation per sentence, in order, from one batch; blank sentences give "" without the model.
@@ -111,14 +114,30 @@ class Engine:
 
         See docs/serving.md, "Engines".
         """
-        kept = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        translations = [""] * len(sentences)
-        if kept:
-            for i, translation in zip(kept, self._translate_batch([sentences[i] for i in kept]), strict=True):
-                translations[i] = translation
-        return translations
+        return [found[0] for found in self.hypotheses(sentences, 1)]
 
-    def _translate_batch(self, sentences: list[str]) -> list[str]:
+    def hypotheses(self, sentences: list[str], count: int) -> list[list[str]]:
+        """The `count` best translations of each sentence (n-best of the beam search), best first, from one batch.
+
+        The best is `translate`'s: the beam search is the same, only more of its finished hypotheses are kept.
+        A blank sentence gives `[""]` without the model.
+
+        See docs/serving.md, "Alternatives".
+
+        Raises:
+            ValueError: `count` below 1 or above the beam size (the search finds no more).
+        """
+        beams = self.generation_config.num_beams if self.beam_size is None else self.beam_size
+        if not 1 <= count <= max(beams or 1, 1):
+            raise ValueError(f"{count} hypotheses asked for: the beam search of {beams} beams gives 1 to {beams}.")
+        kept = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        found: list[list[str]] = [[""] for _ in sentences]
+        if kept:
+            for i, each in zip(kept, self._translate_batch([sentences[i] for i in kept], count), strict=True):
+                found[i] = each
+        return found
+
+    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
         raise NotImplementedError
 
 
@@ -147,16 +166,19 @@ class TorchEngine(Engine):
         learned = self.source_limit is not None and self.source_limit < tokenizer.model_max_length
         self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
         self.runs_in_cpu_workers = model.device.type == "cpu"
+        self.beam_size = self.generate_kwargs.get("num_beams")
 
     @torch.inference_mode()
-    def _translate_batch(self, sentences: list[str]) -> list[str]:
+    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
         limit = self.source_limit
         with tokenizer_lock(self.tokenizer):
             inputs = self.tokenizer(
                 sentences, return_tensors="pt", padding=True, truncation=limit is not None, max_length=limit
             ).to(self.model.device)
-        output_ids = self.model.generate(**inputs, **self.generate_kwargs)
-        return [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
+        more = {"num_return_sequences": count} if count > 1 else {}
+        output_ids = self.model.generate(**inputs, **self.generate_kwargs, **more)
+        texts = [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
+        return [texts[start : start + count] for start in range(0, len(texts), count)]
 
 
 class CTranslate2Engine(Engine):
@@ -216,7 +238,7 @@ class CTranslate2Engine(Engine):
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
         self.limit_name = "the CTranslate2 export's limit"
 
-    def _translate_batch(self, sentences: list[str]) -> list[str]:
+    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
         with tokenizer_lock(self.tokenizer):
             ids = self.tokenizer(sentences, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
         tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
@@ -224,7 +246,7 @@ class CTranslate2Engine(Engine):
             tokens,
             beam_size=self.beam_size,
             length_penalty=0.0 if self.gnmt else self.length_penalty,
-            num_hypotheses=self.beam_size if self.gnmt else 1,
+            num_hypotheses=self.beam_size if self.gnmt else count,
             return_scores=self.gnmt,
             max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_output),
             max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
@@ -232,12 +254,15 @@ class CTranslate2Engine(Engine):
         )
         translations = []
         for result in results:
-            best = result.hypotheses[0]
+            ranked = result.hypotheses
             if self.gnmt:  # + 1: CTranslate2 leaves </s> out of its hypotheses
                 scored = zip(result.hypotheses, result.scores, strict=True)
-                best, _ = max(scored, key=lambda h: h[1] / gnmt_length_penalty(len(h[0]) + 1, self.length_penalty))
-            output_ids = self.tokenizer.convert_tokens_to_ids(best)
-            translations.append(self.tokenizer.decode(output_ids, skip_special_tokens=True).strip())
+                penalty = self.length_penalty
+                ranked = [
+                    h for h, _ in sorted(scored, key=lambda h: -h[1] / gnmt_length_penalty(len(h[0]) + 1, penalty))
+                ]
+            decoded = [self.tokenizer.convert_tokens_to_ids(tokens) for tokens in ranked[:count]]
+            translations.append([self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in decoded])
         return translations
 
 
@@ -299,3 +324,58 @@ def load_engine(model: str, config: InferenceConfig | None = None) -> Engine:
         )
     translator, tokenizer = load_translator(model, config.device)
     return TorchEngine(translator, tokenizer, config.generate_kwargs)
+
+
+def _model_file(model: str, filename: str) -> Path | None:
+    """`filename` of a local model directory or Hub repository, or None where it has none."""
+    if Path(model).is_dir():
+        path = Path(model) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(model, filename))
+    except (OSError, EntryNotFoundError):  # no such file, or no Hub and no cached copy
+        return None
+
+
+def model_languages(model: str, source_lang: str | None = None, target_lang: str | None = None) -> tuple[str, str]:
+    """The language pair a model translates: (source, target), ISO 639-1 codes such as ("en", "de").
+
+    Read from `training_config.json` (`source_lang`, `target_lang`, written by `train`), else from
+    the model card's `language: [source, target]` (`hub.write_model_card`); `source_lang` and
+    `target_lang`, when given, override what the files say (e.g. for a converted Marian model,
+    which has neither file).
+
+    See docs/serving.md, "Serving a translator over HTTP".
+
+    Args:
+        model: a model directory or Hub id.
+        source_lang, target_lang: codes that take precedence over the files.
+
+    Raises:
+        OSError: `model` is a local path that does not exist (`hub.check_model_exists`).
+        ValueError: a language is given by neither the arguments nor the files.
+    """
+    check_model_exists(model)
+    if source_lang and target_lang:
+        return source_lang, target_lang
+    found: tuple[str | None, str | None] = (None, None)
+    config_file = _model_file(model, "training_config.json")
+    if config_file is not None:
+        training = json.loads(config_file.read_text(encoding="utf-8"))
+        found = (training.get("source_lang"), training.get("target_lang"))
+    if None in found and (card_file := _model_file(model, "README.md")) is not None:
+        from huggingface_hub import ModelCard
+
+        language = ModelCard.load(card_file).data.language
+        if isinstance(language, list) and len(language) == 2:  # a pair; more would be ambiguous
+            found = (language[0], language[1])
+    source, target = source_lang or found[0], target_lang or found[1]
+    if not source or not target:
+        raise ValueError(
+            f"the languages of {model} are unknown: it has no training_config.json with source_lang and "
+            "target_lang and no model card with `language: [source, target]`; pass --source-lang and --target-lang."
+        )
+    return source, target

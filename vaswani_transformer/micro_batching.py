@@ -30,7 +30,8 @@ class _Job:
     future: Future
     timeout: float | None
     deadline: float  # time.monotonic() past which its sentences not yet in a batch are dropped
-    translations: list[str | None]
+    translations: list[list[str] | None]
+    hypotheses: int = 1  # translations of each sentence, best first
     taken: int = 0  # sentences put in a batch so far, in order
     answered: int = 0
 
@@ -78,7 +79,9 @@ class MicroBatcher:
     A request of 2,500 sentences thus shares every batch with the requests that come after
     it, instead of holding the model until it is done (fair queueing: round-robin over requests).
     While the waiting sentences do not fill a batch, the worker first collects new requests for
-    up to `batch_wait_ms` milliseconds. It translates a batch with one call of `translate_fn` and
+    up to `batch_wait_ms` milliseconds. It translates a batch with one call of `translate_fn`, keeping as many
+    hypotheses of each sentence as the batch's most demanding request asks for (`Engine.hypotheses`: the best is the
+    same whatever the count), and
     answers a request once all its sentences are translated, in order. If that call fails, each
     request of the batch is translated alone, so that one bad request fails alone. A request
     still waiting after its `timeout` fails with `TimeoutError`; none of its remaining sentences
@@ -90,7 +93,8 @@ class MicroBatcher:
     See docs/serving.md, "Micro-batching".
 
     Args:
-        translate_fn: sentences -> their translations, in order (an engine's `translate`).
+        translate_fn: (sentences, count) -> the `count` best translations of each sentence, in order (an engine's
+            `hypotheses`).
         batch_wait_ms: how long to collect after the first request, in milliseconds (0: take only
             what is already waiting).
         max_batch_tokens: source tokens per batch, all sentences together.
@@ -102,7 +106,7 @@ class MicroBatcher:
 
     def __init__(
         self,
-        translate_fn: Callable[[list[str]], list[str]],
+        translate_fn: Callable[[list[str], int], list[list[str]]],
         batch_wait_ms: float = ServingConfig.batch_wait_ms,
         max_batch_tokens: int = ServingConfig.max_batch_tokens,
         batch_size: int = BATCH_SIZE,
@@ -133,8 +137,11 @@ class MicroBatcher:
         """
         return self._in_flight
 
-    def submit(self, sentences: list[str], lengths: list[int], timeout: float | None = None) -> Future:
-        """Queue one request's sentences; the future gives their translations, in order.
+    def submit(
+        self, sentences: list[str], lengths: list[int], timeout: float | None = None, hypotheses: int = 1
+    ) -> Future:
+        """Queue one request's sentences; the future gives their translations, in order: a list of each one's
+        `hypotheses` best, best first.
 
         See docs/serving.md, "Micro-batching".
 
@@ -143,18 +150,21 @@ class MicroBatcher:
             lengths: the source tokens of each sentence (for `max_batch_tokens`).
             timeout: seconds from now after which the sentences not yet in a batch are dropped and
                 the future fails with `TimeoutError`; None for no limit.
+            hypotheses: translations of each sentence (n-best), at least 1.
 
         Raises:
-            ValueError: `lengths` does not match `sentences`, or a timeout that is not above 0.
+            ValueError: `lengths` does not match `sentences`, a timeout that is not above 0, or `hypotheses` below 1.
             RuntimeError: the batcher is closed.
         """
         if len(lengths) != len(sentences):
             raise ValueError(f"give one length per sentence: {len(lengths)} lengths for {len(sentences)} sentences.")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be above 0 seconds (or None for none), got {timeout}.")
+        if hypotheses < 1:
+            raise ValueError(f"hypotheses must be at least 1, got {hypotheses}.")
         future: Future = Future()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        job = _Job(list(sentences), list(lengths), future, timeout, deadline, [None] * len(sentences))
+        job = _Job(list(sentences), list(lengths), future, timeout, deadline, [None] * len(sentences), hypotheses)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
@@ -242,7 +252,8 @@ class MicroBatcher:
     def _translate(self, batch: list[tuple[_Job, int]]) -> None:
         jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
-            translations = self.translate_fn([job.sentences[i] for job, i in batch])
+            count = max(job.hypotheses for job in jobs)
+            translations = self.translate_fn([job.sentences[i] for job, i in batch], count)
         except Exception as error:
             if len(jobs) > 1:
                 for job in jobs:
@@ -251,8 +262,8 @@ class MicroBatcher:
             logger.exception("Translating a request failed")
             self._fail(jobs[0], error)
             return
-        for (job, i), translation in zip(batch, translations, strict=True):
-            job.translations[i] = translation
+        for (job, i), found in zip(batch, translations, strict=True):
+            job.translations[i] = found[: job.hypotheses]
             job.answered += 1
         self._settle(len(batch))
         for job in jobs:

@@ -20,15 +20,14 @@
 
 import asyncio
 import contextlib
-import copy
+import dataclasses
 import errno
-import json
 import logging
-import math
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -36,22 +35,23 @@ try:
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import HTMLResponse, JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException
 except ImportError as error:
     raise ImportError(
         "`vaswani-transformer serve` needs FastAPI and uvicorn: pip install 'vaswani-transformer[serve]'."
     ) from error
 
-from transformers import PreTrainedTokenizerBase
-
+from .access import Access, load_api_keys
 from .hub import check_model_exists
-from .inference import Engine, load_engine
+from .inference import Engine, load_engine, model_languages
 from .inference_config import BATCH_SIZE, InferenceConfig
+from .language_detection import LanguageDetector
 from .micro_batching import MicroBatcher
 from .serving_config import ServingConfig
+from .serving_metrics import ServingMetrics
+from .serving_models import ServedModel
 from .serving_requests import Limits, RequestError, parse_translate_request, request_fields
-from .text_format import split_text
 from .translation import warn_of_empty_translations
 
 logger = logging.getLogger(__name__)
@@ -67,106 +67,67 @@ LANGUAGE_NAMES = {
 }  # fmt: skip
 
 
-def _model_file(model: str, filename: str) -> Path | None:
-    """`filename` of a local model directory or Hub repository, or None where it has none."""
-    if Path(model).is_dir():
-        path = Path(model) / filename
-        return path if path.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+def languages_response(pairs: list[tuple[str, str]]) -> list[dict]:
+    """The body of LibreTranslate's `GET /languages` for the (source, target) pairs a server translates.
 
-    try:
-        return Path(hf_hub_download(model, filename))
-    except (OSError, EntryNotFoundError):  # no such file, or no Hub and no cached copy
-        return None
-
-
-def model_languages(model: str, source_lang: str | None = None, target_lang: str | None = None) -> tuple[str, str]:
-    """The language pair a model translates: (source, target), ISO 639-1 codes such as ("en", "de").
-
-    Read from `training_config.json` (`source_lang`, `target_lang`, written by `train`), else from
-    the model card's `language: [source, target]` (`hub.write_model_card`); `source_lang` and
-    `target_lang`, when given, override what the files say (e.g. for a converted Marian model,
-    which has neither file).
-
-    See docs/serving.md, "Serving a translator over HTTP".
-
-    Args:
-        model: a model directory or Hub id.
-        source_lang, target_lang: codes that take precedence over the files.
-
-    Raises:
-        OSError: `model` is a local path that does not exist (`hub.check_model_exists`).
-        ValueError: a language is given by neither the arguments nor the files.
+    One entry per language, in the order the pairs name them, `{"code", "name", "targets"}`: the targets it is
+    translated into, sorted, or none (a language the server only translates into).
     """
-    check_model_exists(model)
-    if source_lang and target_lang:
-        return source_lang, target_lang
-    found: tuple[str | None, str | None] = (None, None)
-    config_file = _model_file(model, "training_config.json")
-    if config_file is not None:
-        training = json.loads(config_file.read_text(encoding="utf-8"))
-        found = (training.get("source_lang"), training.get("target_lang"))
-    if None in found and (card_file := _model_file(model, "README.md")) is not None:
-        from huggingface_hub import ModelCard
-
-        language = ModelCard.load(card_file).data.language
-        if isinstance(language, list) and len(language) == 2:  # a pair; more would be ambiguous
-            found = (language[0], language[1])
-    source, target = source_lang or found[0], target_lang or found[1]
-    if not source or not target:
-        raise ValueError(
-            f"the languages of {model} are unknown: it has no training_config.json with source_lang and "
-            "target_lang and no model card with `language: [source, target]`; pass --source-lang and --target-lang."
-        )
-    return source, target
-
-
-def languages_response(source: str, target: str) -> list[dict]:
-    """The body of LibreTranslate's `GET /languages` for a model that translates `source` into `target`.
-
-    One entry per language, `{"code", "name", "targets"}`: the source with `[target]`, the target
-    with no targets of its own (the model translates one way).
-    """
+    targets: dict[str, list[str]] = {}
+    for source, target in pairs:
+        targets.setdefault(source, []).append(target)
+        targets.setdefault(target, [])
     return [
-        {"code": source, "name": LANGUAGE_NAMES.get(source, source), "targets": [target]},
-        {"code": target, "name": LANGUAGE_NAMES.get(target, target), "targets": []},
+        {"code": code, "name": LANGUAGE_NAMES.get(code, code), "targets": sorted(found)}
+        for code, found in targets.items()
     ]
 
 
 def create_app(
-    batcher: MicroBatcher,
-    tokenizer: PreTrainedTokenizerBase,
-    languages: tuple[str, str],
-    limits: Limits,
-    info: dict | None = None,
+    models: list[ServedModel],
+    access: Access,
+    detector: LanguageDetector,
+    metrics: ServingMetrics,
+    alternatives_limit: int = ServingConfig.alternatives_limit,
 ) -> FastAPI:
-    """The FastAPI app: `POST /translate`, `GET /languages`, `GET /health`, and the page at `/`.
+    """The FastAPI app: LibreTranslate's `POST /translate` and `/detect` and `GET /languages`; `GET /health`,
+    `GET /metrics` and the page at `/`.
 
     See docs/serving.md, "The API".
 
     Args:
-        batcher: translates the sentences; closed (its queue drained) when the app shuts down.
-        tokenizer: the model's tokenizer, to measure sentences against `limits` (the app uses a
-            copy: a fast tokenizer must not be called by two threads at once).
-        languages: the model's (source, target).
-        limits: what one request may ask for.
-        info: extra fields for `GET /health` (model, engine).
+        models: one per language pair, each with its own batcher, closed (its queue drained) when the app shuts down.
+        access: checks API keys and counts requests (`/translate`, `/detect`).
+        detector: detects the language of `source=auto` and of `/detect`.
+        metrics: what `GET /metrics` answers; the app counts requests, latency and sentences.
+        alternatives_limit: the most alternatives one text may ask for.
     """
-    counter = copy.deepcopy(tokenizer)  # called only on the event loop's thread
     page = (resources.files("vaswani_transformer") / "static" / "index.html").read_text(encoding="utf-8")
+    by_pair = {(model.source, model.target): model for model in models}
+    limits = models[0].limits  # the server's: every model is served with the same limits
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # uvicorn calls this after the requests in flight were answered; the queue is empty by then.
-        await asyncio.to_thread(batcher.close)
+        # uvicorn calls this after the requests in flight were answered; the queues are empty by then.
+        for model in models:
+            await asyncio.to_thread(model.batcher.close)
 
     app = FastAPI(title="vaswani_transformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # LibreTranslate answers browsers from any origin; so do we, for its web clients.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"])
     # HEAD answers as GET without the body (uvicorn drops it), as HTTP asks and monitors expect.
     read = ["GET", "HEAD"]
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next: Callable) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        # Known routes only: a label per unknown path would let any client grow the registry without end.
+        endpoint = request.url.path if request.url.path in _MEASURED else "other"
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        return response
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -187,81 +148,80 @@ def create_app(
 
     @app.api_route("/health", methods=read)
     async def health() -> dict:
+        first = models[0]
         return {
             "status": "ok",
-            "source": languages[0],
-            "target": languages[1],
-            "sentences_in_flight": batcher.sentences_in_flight,
-            **(info or {}),
+            "source": first.source,
+            "target": first.target,
+            "sentences_in_flight": sum(model.batcher.sentences_in_flight for model in models),
+            **first.info,
+            "models": [{"source": m.source, "target": m.target, **m.info} for m in models],
         }
 
     @app.api_route("/languages", methods=read)
     async def get_languages() -> list[dict]:
-        return languages_response(*languages)
+        return languages_response(list(by_pair))
+
+    @app.api_route("/metrics", methods=read)
+    async def get_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=metrics.content_type)
+
+    async def checked_fields(request: Request) -> tuple[dict, int]:
+        # The fields of a request, its key checked and its request counted; the character limit of its key.
+        fields = await request_fields(request, limits.body_bytes())
+        client = request.client.host if request.client else "unknown"
+        return fields, access.check(fields.get("api_key"), client)
+
+    @app.post("/detect")
+    async def post_detect(request: Request) -> JSONResponse:
+        fields, char_limit = await checked_fields(request)
+        q = fields.get("q")
+        if not isinstance(q, str) or not q.strip():
+            raise RequestError("Invalid request: missing q parameter (a string of text)")
+        if len(q) > char_limit:
+            raise RequestError(f"Invalid request: q has {len(q)} characters, more than the limit of {char_limit}")
+        return JSONResponse(detector.detect(q))
 
     @app.post("/translate")
     async def post_translate(request: Request) -> JSONResponse:
-        fields = await request_fields(request, limits.body_bytes())
-        checked = parse_translate_request(fields, languages, limits)
-        try:
-            splits = [split_text(text, checked.format) for text in checked.texts]
-        except ValueError as error:  # markup the HTML parser cannot read
-            raise RequestError(f"Invalid request: {error}") from error
-        sentences = [sentence for found, _ in splits for sentence in found]
-        work = [i for i, sentence in enumerate(sentences) if sentence.strip()]  # a blank line stays blank
-        if len(work) > limits.sentence_limit:
-            raise RequestError(
-                f"Invalid request: q has {len(work)} sentences (lines with text, or HTML text nodes), more than the "
-                f"limit of {limits.sentence_limit} (--sentence-limit); send them in several requests"
-            )
-        lengths = [len(ids) for ids in counter(sentences, verbose=False)["input_ids"]] if sentences else []
-        if limits.source_limit is not None and limits.long_inputs == "error":
-            start = 0
-            for i, (found, _) in enumerate(splits):
-                longest, start = max(lengths[start : start + len(found)], default=0), start + len(found)
-                if longest > limits.source_limit:
-                    where = f"q[{i}]" if checked.is_list else "q"
-                    raise RequestError(
-                        f"Invalid request: {where} has a sentence of {longest} tokens, more than the model's limit "
-                        f"of {limits.source_limit}; split it into shorter sentences"
-                    )
-        try:
-            future = batcher.submit([sentences[i] for i in work], [lengths[i] for i in work], limits.request_timeout)
-        except RuntimeError as error:
-            return JSONResponse({"error": str(error)}, status_code=503)
-        translations = [""] * len(sentences)
-        try:
-            for i, translation in zip(work, await asyncio.wrap_future(future), strict=True):
-                translations[i] = translation
-        except TimeoutError as error:  # the server is busier than one request's deadline allows: 503, as overload
-            raise RequestError(
-                f"{error}: the server's limit (--request-timeout); send fewer sentences, or retry later",
-                503,
-                {"Retry-After": str(math.ceil(limits.request_timeout))},
-            ) from None
-        except Exception as error:
-            return JSONResponse({"error": f"translation failed: {error}"}, status_code=500)
-        texts, start = [], 0
-        for found, rebuild in splits:
-            texts.append(rebuild(translations[start : start + len(found)]))
-            start += len(found)
+        fields, char_limit = await checked_fields(request)
+        checked = parse_translate_request(
+            fields, list(by_pair), dataclasses.replace(limits, char_limit=char_limit), alternatives_limit
+        )
+        detected = None
+        source = checked.source
+        if checked.auto:  # one language for the request, from all its texts, as LibreTranslate detects
+            detected = detector.detect("\n".join(checked.texts))[0]
+            source = detected["language"]
+            if (source, checked.target) not in by_pair:
+                raise RequestError(
+                    f"the text was detected as {source!r}, which this server does not translate into "
+                    f"{checked.target!r} (GET /languages)"
+                )
+        model = by_pair[(source, checked.target)]
+        translated = await model.translate(checked.texts, checked.format, checked.alternatives, checked.is_list)
+        metrics.sentences.labels(f"{model.source}-{model.target}").inc(translated.sentences)
+        texts = translated.texts
         body: dict = {"translatedText": texts if checked.is_list else texts[0]}
-        if checked.auto:
-            detected = {"confidence": 100.0, "language": checked.source}  # the model's only source language
+        if detected is not None:
             body["detectedLanguage"] = [detected] * len(texts) if checked.is_list else detected
         if checked.alternatives:
-            body["alternatives"] = [[] for _ in texts] if checked.is_list else []
+            body["alternatives"] = translated.alternatives if checked.is_list else translated.alternatives[0]
         return JSONResponse(body)
 
     return app
 
 
-def _logging_empty(engine: Engine) -> Callable[[list[str]], list[str]]:
-    # The engine's translate, logging the batches' non-blank sentences translated to "" (one warning a batch).
-    def translate(sentences: list[str]) -> list[str]:
-        translations = engine.translate(sentences)
-        warn_of_empty_translations(sentences, translations)
-        return translations
+# The paths `/metrics` labels by name.
+_MEASURED = frozenset({"/", "/health", "/languages", "/metrics", "/detect", "/translate"})
+
+
+def _logging_empty(engine: Engine) -> Callable[[list[str], int], list[list[str]]]:
+    # The engine's hypotheses, logging the batches' non-blank sentences translated to "" (one warning a batch).
+    def translate(sentences: list[str], count: int) -> list[list[str]]:
+        found = engine.hypotheses(sentences, count)
+        warn_of_empty_translations(sentences, [each[0] for each in found])
+        return found
 
     return translate
 
@@ -279,47 +239,86 @@ class _Server(uvicorn.Server):
             print(self.banner, flush=True)
 
 
+def parse_models(models: Sequence[str], source_lang: str | None, target_lang: str | None) -> list[tuple[str, str, str]]:
+    """The (source, target, model) of each of `serve`'s MODEL arguments: `DIR`, or `SRC-TGT=DIR` (`en-de=DIR`).
+
+    A model named alone takes its languages from its files (`inference.model_languages`), or from `source_lang` and
+    `target_lang` where only one model is served.
+
+    See docs/serving.md, "Several models".
+
+    Raises:
+        OSError: a model directory that does not exist.
+        ValueError: no model, a malformed pair, languages given for several models, a model whose languages are
+            unknown, or two models of one pair.
+    """
+    if not models:
+        raise ValueError("give at least one model to serve: MODEL, or SRC-TGT=MODEL (e.g. en-de=outputs/run)")
+    if len(models) > 1 and (source_lang or target_lang):
+        raise ValueError("--source-lang and --target-lang name the languages of one model: write SRC-TGT=MODEL")
+    found = []
+    for argument in models:
+        pair, sep, path = argument.partition("=")
+        if sep and not Path(argument).exists():
+            source, dash, target = pair.partition("-")
+            if not (dash and source and target) or not path:
+                raise ValueError(f"{argument!r}: write a model as MODEL or SRC-TGT=MODEL, e.g. en-de=outputs/run")
+            check_model_exists(path)
+            found.append((source, target, path))
+        else:
+            found.append((*model_languages(argument, source_lang, target_lang), argument))
+    pairs = [(source, target) for source, target, _ in found]
+    if len(set(pairs)) < len(pairs):
+        raise ValueError(f"two models translate one pair ({', '.join(f'{s}-{t}' for s, t in pairs)}): serve one each")
+    return found
+
+
 def serve(
-    model: str,
+    models: Sequence[str] | str,
     config: ServingConfig | None = None,
     inference: InferenceConfig | None = None,
     source_lang: str | None = None,
     target_lang: str | None = None,
 ) -> None:
-    """`vaswani-transformer serve`: load a translator and serve it over HTTP until SIGTERM or Ctrl+C.
+    """`vaswani-transformer serve`: load translators and serve them over HTTP until SIGTERM or Ctrl+C.
 
-    The port is bound before the model loads, so a port in use fails at once; `port=0` lets the
+    The port is bound before the models load, so a port in use fails at once; `port=0` lets the
     system choose one. Once it accepts requests, the server prints one line on stdout: "Serving
-    MODEL (SRC -> TGT, ENGINE) on http://HOST:PORT". On SIGTERM or SIGINT it stops accepting
-    connections, answers every request it has received (the batcher translates all it holds),
+    MODEL (SRC -> TGT, ENGINE) on http://HOST:PORT" (the models joined with " and "). On SIGTERM or SIGINT it stops
+    accepting connections, answers every request it has received (the batchers translate all they hold),
     and returns, so that the command exits with status 0.
 
     Args:
-        model: a model directory or Hub id.
-        config: where to listen, how to batch (`MicroBatcher`) and what one request may ask for
-            (`Limits`); default `ServingConfig()`. `config.threads` sets the CPU threads of one
-            `generate()` (`torch.set_num_threads`; CTranslate2's `intra_threads`); default: torch's,
-            one per core. Fewer leave cores to the HTTP side and to other processes, whose competition
-            slows a parallel region that waits for every one of its threads.
+        models: model directories or Hub ids, each alone or as `SRC-TGT=MODEL` (`parse_models`); each language pair
+            is batched on its own (`MicroBatcher`).
+        config: where to listen, how to batch (`MicroBatcher`), what one request may ask for
+            (`Limits`), keys, request limits and the languages to detect; default `ServingConfig()`.
+            `config.threads` sets the CPU threads of one `generate()` (`torch.set_num_threads`; CTranslate2's
+            `intra_threads`); default: torch's, one per core. Fewer leave cores to the HTTP side and to other
+            processes, whose competition slows a parallel region that waits for every one of its threads.
         inference: the engine, its decoding and device (`inference.load_engine`), the sentences of one batch
-            (`MicroBatcher`) and what a sentence over the model's limit gets (`Limits`); default
+            (`MicroBatcher`), sentence splitting and what a sentence over the model's limit gets (`Limits`); default
             `InferenceConfig()`.
-        source_lang, target_lang: the model's languages, where its files do not say them (`model_languages`).
+        source_lang, target_lang: the languages of a single model, where its files do not say them.
 
     Raises:
         ImportError: the engine's package is missing.
-        OSError: the address cannot be bound, or the model cannot be loaded.
-        ValueError: a model whose languages are unknown, or from `inference.load_engine` (the configs check their
-            own settings when they are made).
+        OSError: the address cannot be bound, a model or the API keys file cannot be read.
+        ValueError: from `parse_models`, `access.load_api_keys`, `LanguageDetector` or `inference.load_engine` (the
+            configs check their own settings when they are made).
     """
-    languages = model_languages(model, source_lang, target_lang)
+    pairs = parse_models([models] if isinstance(models, str) else list(models), source_lang, target_lang)
     config, inference = config or ServingConfig(), inference or InferenceConfig()
+    keys = load_api_keys(config.api_keys) if config.api_keys else None
+    languages = [code for source, target, _ in pairs for code in (source, target)]
+    detector = LanguageDetector([*languages, *config.detect_language])
     host, port, threads = config.host, config.port, config.threads
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    served: list[ServedModel] = []
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))  # not listening yet: clients are refused until the model is loaded
+            sock.bind((host, port))  # not listening yet: clients are refused until the models are loaded
         except OSError as error:
             host_error = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
             advice = "check --host" if host_error else "choose another --port"
@@ -328,39 +327,59 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)
-        engine = load_engine(model, inference)
-        batch_size = inference.batch_size or BATCH_SIZE
-        batcher = MicroBatcher(_logging_empty(engine), config.batch_wait_ms, config.max_batch_tokens, batch_size)
-        limits = Limits(
-            config.char_limit,
-            config.batch_limit,
-            config.sentence_limit,
-            config.request_timeout,
-            engine.source_limit,
-            inference.long_inputs,
-        )
-        # The model's name, not its local path, which any origin may read.
-        model_name = Path(model).resolve().name if Path(model).is_dir() else model
-        info = {
-            "model": model_name,
-            "engine": engine.name,
-            "batch_wait_ms": config.batch_wait_ms,
-            "max_batch_tokens": config.max_batch_tokens,
-            "batch_size": batch_size,
-        }
-        app = create_app(batcher, engine.tokenizer, languages, limits, info)
-        bound_host, bound_port = sock.getsockname()[:2]
-        shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-        banner = f"Serving {model} ({languages[0]} -> {languages[1]}, {engine.name}) on http://{shown}:{bound_port}"
-        server_config = uvicorn.Config(
-            app, log_level="info", access_log=config.access_log, timeout_graceful_shutdown=None
-        )
-        if threading.current_thread() is threading.main_thread():
-            # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
-            # under the handler it found: one that does nothing lets that graceful end exit with 0.
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, lambda *_: None)
+        metrics = ServingMetrics()
         try:
-            _Server(server_config, banner).run(sockets=[sock])
+            for source, target, model in pairs:
+                served.append(_served_model(source, target, model, config, inference, metrics))
+            access = Access(keys, config.req_limit, config.char_limit)
+            app = create_app(served, access, detector, metrics, config.alternatives_limit)
+            bound_host, bound_port = sock.getsockname()[:2]
+            shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+            names = " and ".join(
+                f"{m} ({s} -> {t}, {each.info['engine']})" for (s, t, m), each in zip(pairs, served, strict=True)
+            )
+            server_config = uvicorn.Config(
+                app, log_level="info", access_log=config.access_log, timeout_graceful_shutdown=None
+            )
+            if threading.current_thread() is threading.main_thread():
+                # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
+                # under the handler it found: one that does nothing lets that graceful end exit with 0.
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(signum, lambda *_: None)
+            _Server(server_config, f"Serving {names} on http://{shown}:{bound_port}").run(sockets=[sock])
         finally:
-            batcher.close()  # after a failed start too; a no-op after the app's own shutdown
+            for each in served:
+                each.batcher.close()  # after a failed start too; a no-op after the app's own shutdown
+
+
+def _served_model(
+    source: str, target: str, model: str, config: ServingConfig, inference: InferenceConfig, metrics: ServingMetrics
+) -> ServedModel:
+    # One model loaded, with its own batcher, whose batch sizes go to the metrics.
+    engine = load_engine(model, inference)
+    batch_size = inference.batch_size or BATCH_SIZE
+    translate, observe = _logging_empty(engine), metrics.batch_sizes.labels(f"{source}-{target}").observe
+
+    def measured(sentences: list[str], count: int) -> list[list[str]]:
+        observe(len(sentences))
+        return translate(sentences, count)
+
+    batcher = MicroBatcher(measured, config.batch_wait_ms, config.max_batch_tokens, batch_size)
+    limits = Limits(
+        config.char_limit,
+        config.batch_limit,
+        config.sentence_limit,
+        config.request_timeout,
+        engine.source_limit,
+        inference.long_inputs,
+    )
+    info = {
+        # The model's name, not its local path, which any origin may read.
+        "model": Path(model).resolve().name if Path(model).is_dir() else model,
+        "engine": engine.name,
+        "batch_wait_ms": config.batch_wait_ms,
+        "max_batch_tokens": config.max_batch_tokens,
+        "batch_size": batch_size,
+    }
+    beams = engine.beam_size or engine.generation_config.num_beams or 1
+    return ServedModel(source, target, batcher, engine.tokenizer, limits, inference.split_sentences, beams, info)

@@ -15,6 +15,7 @@ from .options import option
 # The sections of `serve --help`.
 BATCHING = "micro-batching (one sentence at a time: --batch-wait-ms 0 --batch-size 1)"
 LIMITS = "limits of one request (HTTP 400 beyond them; 503 past --request-timeout)"
+ACCESS = "keys, request limits (403 for a wrong key, 429 past a limit) and language detection"
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,35 @@ class ServingConfig:
         group=LIMITS,
     )
 
+    alternatives_limit: int = option(
+        3, help="alternatives one text may ask for (LibreTranslate's --alternatives-limit)", group=LIMITS
+    )
+    api_keys: str | None = option(
+        None,
+        help='JSON file of API keys and their limits, {"KEY": {"req_limit": 60, "char_limit": 5000}}: a request '
+        "with another key is refused (403); one without a key has the server's limits",
+        group=ACCESS,
+    )
+    req_limit: int | None = option(
+        None,
+        help="requests per minute of one client (its key's, or its address's), 429 past it (default: none)",
+        group=ACCESS,
+    )
+    detect_language: list[str] = option(
+        [],
+        help="a language POST /detect and source=auto may find besides the models' own (ISO 639-1; repeatable)",
+        group=ACCESS,
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be a TCP port from 0 (the system chooses) to 65535, got {self.port}.")
         if not 0 <= self.batch_wait_ms <= 60_000:  # a wait the queue can time (inf would never answer)
             raise ValueError(f"--batch-wait-ms must be 0 to 60,000 milliseconds, got {self.batch_wait_ms}.")
+        if self.req_limit is not None and self.req_limit < 1:
+            raise ValueError(f"--req-limit must be at least 1 request a minute, got {self.req_limit}.")
+        if self.alternatives_limit < 0:
+            raise ValueError(f"--alternatives-limit must be 0 or more, got {self.alternatives_limit}.")
         for name in ("max_batch_tokens", "char_limit", "batch_limit", "sentence_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")

@@ -8,7 +8,7 @@ docs/serving.md, "Bad input".
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
@@ -58,7 +58,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class TranslateRequest:
-    """A checked `POST /translate`: `texts` (one, or the list `q` was), the language pair, `format`, `alternatives`.
+    """A checked `POST /translate`: `texts` (one, or the list `q` was), the language pair (`source` "auto" where it is
+    to be detected), `format`, `alternatives`.
 
     See docs/serving.md, "The API".
     """
@@ -72,21 +73,24 @@ class TranslateRequest:
     alternatives: int
 
 
-def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Limits) -> TranslateRequest:
+def parse_translate_request(
+    fields: dict, pairs: Collection[tuple[str, str]], limits: Limits, alternatives_limit: int = 3
+) -> TranslateRequest:
     """Check the fields of a LibreTranslate `POST /translate` request.
 
     Fields: `q` (a string or a list of strings), `source` (a code, or "auto"), `target`, `format`
-    ("text", the default, or "html"), `alternatives` (a whole number; this server has none to
-    give, and answers empty lists), `api_key` (ignored).
+    ("text", the default, or "html"), `alternatives` (a whole number, at most `alternatives_limit`, LibreTranslate's
+    `--alternatives-limit`), `api_key` (checked by `access.Access`).
 
     Args:
         fields: the parsed body (JSON object, or form fields; a repeated form field is a list).
-        languages: the model's (source, target).
-        limits: the server's `Limits`.
+        pairs: the (source, target) pairs the server translates.
+        limits: the server's `Limits` (its `char_limit` the request's key's, where it has one).
+        alternatives_limit: the most alternatives one text may ask for.
 
     Raises:
         RequestError: a field is missing, of the wrong type, empty, over a limit, or names a
-            language pair the model does not translate; the message names the field.
+            language pair the server does not translate; the message names the field.
     """
     q = fields.get("q")
     if q is None:
@@ -120,13 +124,12 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
             raise RequestError(f"Invalid request: missing {name} parameter")
         if not isinstance(value, str):
             raise RequestError(f"Invalid request: {name} must be a language code string, got {type(value).__name__}")
-    model_source, model_target = languages
-    pair = f"{model_source} -> {model_target}"
+    served = ", ".join(f"{s} -> {t}" for s, t in pairs)
     auto = source == "auto"
-    if not auto and source != model_source:
-        raise RequestError(f"source {source!r} is not supported: this model translates {pair} (GET /languages)")
-    if target != model_target:
-        raise RequestError(f"target {target!r} is not supported: this model translates {pair} (GET /languages)")
+    if not auto and source not in {s for s, _ in pairs}:
+        raise RequestError(f"source {source!r} is not supported: this server translates {served} (GET /languages)")
+    if target not in {t for s, t in pairs if auto or s == source}:
+        raise RequestError(f"target {target!r} is not supported: this server translates {served} (GET /languages)")
 
     text_format = fields.get("format") or "text"
     if text_format not in ("text", "html"):
@@ -138,7 +141,9 @@ def parse_translate_request(fields: dict, languages: tuple[str, str], limits: Li
         alternatives = int(alternatives)
     elif not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
         raise RequestError(f"Invalid request: alternatives must be a whole number, 0 or more, got {alternatives!r}")
-    return TranslateRequest(texts, is_list, model_source, model_target, auto, text_format, alternatives)
+    if alternatives > alternatives_limit:
+        raise RequestError(f"Invalid request: alternatives parameter must be <= {alternatives_limit}")
+    return TranslateRequest(texts, is_list, source, target, auto, text_format, alternatives)
 
 
 async def request_fields(request: Request, max_bytes: int) -> dict:
