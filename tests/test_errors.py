@@ -260,7 +260,7 @@ def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplo
     assert tokenizer.decode(output_ids[0], skip_special_tokens=True).strip() == translations[1]
     with pytest.raises(ValueError, match=rf"^Sentence 2 has \d+ tokens, more than the model's limit of {LIMIT} "):
         translate(model, tokenizer, sentences)  # refused by default: a truncated sentence loses text
-    with pytest.raises(ValueError, match="long_inputs must be one of error, truncate, got 'skip'"):
+    with pytest.raises(ValueError, match="long_inputs must be one of error, truncate, split, got 'skip'"):
         translate(model, tokenizer, sentences, long_inputs="skip")
 
 
@@ -379,7 +379,7 @@ def test_impossible_serve_settings_name_the_flag_before_loading_the_model(flag, 
 
 
 def test_an_unknown_long_inputs_setting_names_the_flag_and_the_choices():
-    with pytest.raises(ValueError, match="^--long-inputs must be one of error, truncate, got 'skip'"):
+    with pytest.raises(ValueError, match="^--long-inputs must be one of error, truncate, split, got 'skip'"):
         InferenceConfig(long_inputs="skip")
 
 

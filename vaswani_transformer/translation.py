@@ -153,6 +153,10 @@ def _check_num_workers(engine: Engine, num_workers: int) -> None:
         )
 
 
+def _blank(translations: list[str]) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """Texts ready to translate: the pieces the engine is given, and how their translations become the texts'."""
@@ -213,7 +217,9 @@ class _Translator:
         """
         splits = [split_text(text, "text", self.source_lang, self.split_sentences) for text in texts]
         sentences = [sentence for found, _ in splits for sentence in found]
-        counts, rebuilds = [len(found) for found, _ in splits], [rebuild for _, rebuild in splits]
+        counts = [len(found) for found, _ in splits]
+        # A blank text translates to "", as `translate` promises, not to the whitespace of its layout.
+        rebuilds = [rebuild if text.strip() else _blank for text, (_, rebuild) in zip(texts, splits, strict=True)]
         limit = self.engine.source_limit
         lengths = self.count_tokens(sentences) if limit is not None else [0] * len(sentences)
         too_long = next((i for i, length in enumerate(lengths) if length > limit), None) if limit else None
