@@ -33,8 +33,10 @@ VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q --durations=15
 echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
 selection=("$@")
 [ $# -gt 0 ] || selection=(
-    tests/test_configuration_vaswani.py tests/test_modeling_vaswani.py tests/test_generation_vaswani.py
-    tests/test_pipeline_vaswani.py tests/test_compat_vaswani.py tests/test_finetune.py tests/test_hub.py
+    tests/test_configuration_vaswani.py tests/test_layers_vaswani.py tests/test_modeling_vaswani.py
+    tests/test_loading_vaswani.py tests/test_generation_vaswani.py tests/test_beam_search_vaswani.py
+    tests/test_cache_vaswani.py tests/test_pipeline_vaswani.py tests/test_compat_vaswani.py tests/test_finetune.py
+    tests/test_hub.py
 )
 # Without VASWANI_OTHER_END_PYTHON: the first run already saved under each end and loaded under the other.
 "$oldest/bin/python" -m pytest -q --durations=15 "${selection[@]}"
