@@ -25,15 +25,15 @@ def test_a_sentence_over_the_limit_is_cut_at_a_clause_then_at_a_space_and_said_s
         return len(text.split()) + 1  # a token a word, and </s>
 
     sentence = "A man in a red shirt, who holds a ladder, cleans the windows of a tall building"
-    assert split_at_limit(sentence, words, 10) == [
+    assert split_at_limit(sentence, words, 11) == [  # 18 tokens: cut at the comma nearest the middle
         "A man in a red shirt, who holds a ladder,",
         "cleans the windows of a tall building",
     ]
     assert split_at_limit("one two three four five six", words, 4) == ["one two three", "four five six"]
     assert split_at_limit("short", words, 4) == ["short"]
     with caplog.at_level(logging.WARNING, logger="vaswani_transformer.segmentation"):
-        pieces = fit_to_limit(["A dog runs.", sentence], [4, words(sentence)], 10, words)
+        pieces = fit_to_limit(["A dog runs.", sentence], [4, words(sentence)], 11, words)
     assert pieces.texts[0] == "A dog runs." and pieces.owners == [0, 1, 1] and pieces.split == [1]
-    assert all(length <= 10 for length in pieces.lengths)
+    assert all(length <= 11 for length in pieces.lengths)
     assert pieces.join(["Ein Hund rennt.", "Ein Mann,", "putzt."], 2) == ["Ein Hund rennt.", "Ein Mann, putzt."]
-    assert len(caplog.records) == 1 and "1 sentence(s) longer than the model's limit of 10" in caplog.text
+    assert len(caplog.records) == 1 and "1 sentence(s) longer than the model's limit of 11" in caplog.text
