@@ -223,6 +223,47 @@ def test_translate_and_evaluate_hand_batches_to_worker_processes(
         assert [line.split("|", 1)[1] for line in lines] == expected[command], command
 
 
+def test_translate_writes_an_html_document_back_with_its_markup_and_a_text_file_with_its_layout(
+    trained_model_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    import html
+    import io
+
+    from vaswani_transformer.inference import load_translator
+    from vaswani_transformer.translation import translate
+
+    first, second, third = corpus["test_2016_flickr"]["en"][:3]
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    translations = translate(model, tokenizer, [first, second, third], split_sentences=False)
+    escaped = [html.escape(translation, quote=False) for translation in translations]
+    assert all(len(translation.split()) > 2 for translation in translations)  # real translations
+    script = f'<script>if (a < b) {{ alert("{first}"); }}</script>'
+    page = (
+        f'<!DOCTYPE html>\n<html>\n<body>\n<h1 title="{first}">{first}</h1>\n{script}\n'
+        f"<p>{second}\n  {third}</p>\n</body>\n</html>\n"
+    )
+    (tmp_path / "page.html").write_text(page)
+    # The document as one text: tags, attributes and the script as written; a paragraph's lines, one text node.
+    expected = page.replace(f">{first}</h1>", f">{escaped[0]}</h1>")
+    expected = expected.replace(f"<p>{second}\n  {third}</p>", f"<p>{escaped[1]} {escaped[2]}</p>")
+    options = ["translate", "--model", str(trained_model_dir)]
+    assert main([*options, "--input", str(tmp_path / "page.html")]) == 0
+    assert capsys.readouterr().out == expected
+    # From stdin, HTML when asked for; a .html file line by line when asked for.
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(page.encode())))
+    assert main([*options, "--input-format", "html"]) == 0
+    assert capsys.readouterr().out == expected
+    assert main([*options, "--input", str(tmp_path / "page.html"), "--input-format", "text"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(page.splitlines())
+    assert main([*options, "--input", str(tmp_path / "page.html"), "--attention-dir", str(tmp_path / "maps")]) == 2
+    assert "translate an HTML document without it" in capsys.readouterr().err
+    # A text file keeps its paragraphs (sentences on one line), blank lines, indentation and spaces.
+    (tmp_path / "notes.txt").write_text(f"  {first} {second}\n\n\n{third}   {first}\n")
+    assert main([*options, "--input", str(tmp_path / "notes.txt")]) == 0
+    t = translations
+    assert capsys.readouterr().out == f"  {t[0]} {t[1]}\n\n\n{t[2]}   {t[0]}\n"
+
+
 def translate_in_a_new_process(model_dir: Path, text: str, *options: str) -> subprocess.CompletedProcess:
     """`vaswani-transformer translate --model MODEL_DIR OPTIONS` on `text` as stdin, in a process of its own."""
     command = [sys.executable, "-m", "vaswani_transformer.cli", "translate", "--model", str(model_dir), *options]

@@ -19,10 +19,12 @@ def test_translate_evaluate_and_serve_show_each_inference_setting_alike_and_as_t
     settings = [option for option in fields(InferenceConfig) if "help" in option.metadata]
     assert {option.name for option in settings} >= {"engine", "device", "num_beams", "length_penalty", "batch_size"}
     commands = {command: options_of(command) for command in ("translate", "evaluate", "serve")}
+    # evaluate scores line by line, as the references are: it never splits sentences, nor reads HTML; serve takes a
+    # file's format from its name.
+    only = {"split_sentences": {"translate", "serve"}, "input_format": {"translate"}}
     for option in settings:
-        # evaluate scores line by line, as the references are: it never splits sentences.
         shown = {command: options[option.name] for command, options in commands.items() if option.name in options}
-        assert set(shown) == ({"translate", "serve"} if option.name == "split_sentences" else set(commands))
+        assert set(shown) == only.get(option.name, set(commands)), option.name
         for command, action in shown.items():
             flag = option.metadata.get("flag", "--" + option.name.replace("_", "-"))
             assert action.option_strings == [flag], (command, option.name)
@@ -47,6 +49,7 @@ def test_the_parsed_options_make_the_config_and_its_generate_arguments():
     [
         ({"engine": "onnx"}, "--engine must be one of torch, ctranslate2, got 'onnx'"),
         ({"long_inputs": "skip"}, "--long-inputs must be one of error, truncate, split, got 'skip'"),
+        ({"input_format": "pdf"}, "--input-format must be one of auto, text, html, got 'pdf'"),
         ({"batch_size": 0}, "--batch-size must be at least 1 sentence, got 0"),
         ({"num_beams": 0}, "--num-beams: num_beams must be at least 1"),
         ({"length_penalty": float("inf")}, "--length-penalty: length_penalty must be a finite number"),
@@ -57,7 +60,7 @@ def test_a_bad_setting_is_refused_naming_its_flag(setting, message, tmp_path, ca
         InferenceConfig(**setting)
     ((name, value),) = setting.items()
     argv = ["translate", "--model", str(tmp_path), "--" + name.replace("_", "-"), str(value)]
-    if name in ("engine", "long_inputs"):  # argparse refuses what its choices do not hold, with its usage lines
+    if name in ("engine", "long_inputs", "input_format"):  # argparse refuses what its choices do not hold, with usage
         with pytest.raises(SystemExit, match="2"):
             main(argv)
         assert "invalid choice" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vaswani_transformer.text_format import split_text
+from vaswani_transformer.text_format import file_format, split_text
 
 
 @pytest.mark.parametrize(
@@ -29,3 +29,13 @@ def test_split_text_gives_the_sentences_and_rebuild_keeps_everything_else(text, 
     found, rebuild = split_text(text, fmt)
     assert found == sentences
     assert rebuild([sentence.upper() for sentence in found]) == rebuilt
+
+
+def test_a_files_format_is_its_suffixes_in_any_case_and_none_for_another():
+    assert [file_format(name) for name in ("a.txt", "dir.x/Page.HTML", "old.htm", "b.TXT")] == [
+        "text",
+        "html",
+        "html",
+        "text",
+    ]
+    assert [file_format(name) for name in ("paper.pdf", "README", "-", "test.en", ".txt")] == [None] * 5

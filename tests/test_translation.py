@@ -1,5 +1,6 @@
 """Translating with a trained model and choosing its decoding on a development set (§6.1)."""
 
+import html
 import importlib.util
 import logging
 import multiprocessing
@@ -87,6 +88,23 @@ def test_translate_refuses_one_string_for_a_list_of_sentences(trained_model_dir)
         translate(model, tokenizer, "A dog runs.")
     with pytest.raises(TypeError, match="lines of text"):
         next(translate_stream(model, tokenizer, "A dog runs."))
+
+
+def test_an_html_document_is_translated_as_one_text_with_its_markup_kept(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    first, second = corpus["test_2016_flickr"]["en"][:2]
+    alone = translate(model, tokenizer, [first, second], split_sentences=False)
+    page = f'<p class="x">{first}\n{second}</p>\n<script>var s = "{first}";</script>\n'
+    escaped = [html.escape(translation, quote=False) for translation in alone]
+    assert translate(model, tokenizer, [page], text_format="html") == [
+        f'<p class="x">{escaped[0]} {escaped[1]}</p>\n<script>var s = "{first}";</script>\n'
+    ]
+    # A sentence over the model's limit is named by its place in the document, which is one text.
+    too_long = "".join(chr(0x4E00 + i) for i in range(300))
+    with pytest.raises(ValueError, match="^Sentence 2 of HTML text 1 has"):
+        translate(model, tokenizer, [f"<p>{first}</p><p>{too_long}</p>"], text_format="html")
+    with pytest.raises(ValueError, match="text_format must be 'text' or 'html', got 'pdf'"):
+        translate(model, tokenizer, [page], text_format="pdf")
 
 
 def test_threads_sharing_a_tokenizer_encode_with_their_own_settings(trained_model_dir, corpus, monkeypatch):

@@ -130,13 +130,16 @@ def _add_evaluate_options(evaluate: argparse.ArgumentParser) -> None:
         "model as saved)",
     )
     _add_num_workers(evaluate)
-    _add_inference_options(evaluate, skip={"split_sentences"})  # scored line by line, as the references are
+    _add_inference_options(evaluate, skip={"split_sentences", "input_format"})  # line by line, as the references
 
 
 def _add_translate_options(translate: argparse.ArgumentParser) -> None:
     translate.add_argument("--model", required=True, help="model directory or Hub id")
     translate.add_argument(
-        "--input", default="-", help="text file, each line split into sentences (--no-split-sentences); - for stdin"
+        "--input",
+        default="-",
+        help="text file, each line split into sentences (--no-split-sentences), or an HTML document (.html, .htm; "
+        "--input-format); - for stdin",
     )
     translate.add_argument(
         "--attention-dir",
@@ -209,7 +212,7 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
-    _add_inference_options(serve)
+    _add_inference_options(serve, skip={"input_format"})  # a file's format is its name's (POST /translate_file)
     _add_config_options(serve, ServingConfig, {})
 
 
@@ -398,11 +401,15 @@ def _translate(args: argparse.Namespace) -> None:
     from .data import iter_lines
     from .files import ensure_writable
     from .inference import load_engine, model_languages
+    from .text_format import file_format
     from .translation import translate_stream
 
     config = _inference_config(args)
+    chosen = config.input_format if config.input_format != "auto" else file_format(args.input) or "text"
     if args.attention_dir and config.engine != "torch":
         raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
+    if args.attention_dir and chosen == "html":
+        raise ValueError("--attention-dir draws each line's attention: translate an HTML document without it.")
     if args.attention_dir:
         ensure_writable(args.attention_dir)
         from .plotting import _pyplot
@@ -415,7 +422,9 @@ def _translate(args: argparse.Namespace) -> None:
         )
     lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
     total = None
-    if args.input != "-" and Path(args.input).is_file():  # a pipe (`<(...)`) cannot be read twice
+    if chosen == "html":  # one text, read before the model loads: a document's markup spans its lines
+        lines, total = iter(["\n".join(lines)]), 1
+    elif args.input != "-" and Path(args.input).is_file():  # a pipe (`<(...)`) cannot be read twice
         with open(args.input, "rb") as handle:
             total = sum(1 for _ in handle)  # lines as iter_lines counts them
     engine = load_engine(args.model, config)
@@ -445,6 +454,7 @@ def _translate(args: argparse.Namespace) -> None:
         args.num_workers,
         config.split_sentences,
         source_lang,
+        chosen,
     )
     # A progress bar (on stderr) for files, in sentences translated, with the time left; stdin is answered line by
     # line without one. Log records are written above the bar, and it ends its line before an error is printed.
@@ -515,7 +525,7 @@ def _serve(args: argparse.Namespace) -> None:
 COMMANDS = {
     "train": ("train a translator on a parallel corpus (§5)", _add_training_options, _train),
     "evaluate": ("translate a test set and report sacreBLEU", _add_evaluate_options, _evaluate),
-    "translate": ("translate lines from a file or stdin to stdout", _add_translate_options, _translate),
+    "translate": ("translate lines, or an HTML document, from a file or stdin", _add_translate_options, _translate),
     "push": ("upload a trained model directory to the Hugging Face Hub", _add_push_options, _push),
     "average": ("average a run's last checkpoints into a model (§6.1)", _add_average_options, _average),
     "convert-marian": (

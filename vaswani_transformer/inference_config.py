@@ -17,6 +17,9 @@ ENGINES = ("torch", "ctranslate2")
 LONG_INPUTS = ("error", "truncate", "split")
 # Whether `translate` and `serve` split a text into sentences (segmentation.split_sentences); `evaluate` never does.
 SPLIT_SENTENCES = True
+# What `translate --input` reads: an HTML document whole (its markup kept), or text line by line; "auto" by the
+# file's suffix (text_format.file_format).
+INPUT_FORMATS = ("auto", "text", "html")
 # Sentences per generate() call where the caller does not say.
 BATCH_SIZE = 64
 ENGINE, DECODING = "engine", "decoding"  # the sections of --help
@@ -32,8 +35,8 @@ class InferenceConfig:
     See docs/serving.md, "Engines".
 
     Raises:
-        ValueError: an unknown `engine` or `long_inputs`, a beam size or batch size below 1, or a length
-            penalty that is no finite number.
+        ValueError: an unknown `engine`, `long_inputs` or `input_format`, a beam size or batch size below 1, or a
+            length penalty that is no finite number.
     """
 
     engine: str = option(
@@ -87,12 +90,22 @@ class InferenceConfig:
         group=DECODING,
         flag="--no-split-sentences",
     )
+    input_format: str = option(
+        INPUT_FORMATS[0],
+        help="what translate's --input holds: html, a document translated whole (its text nodes, sentence by "
+        "sentence; tags, scripts and styles kept as written) and written back; text, lines translated one by one, "
+        "layout kept; auto: html for a .html or .htm file, else text",
+        group=DECODING,
+        choices=INPUT_FORMATS,
+    )
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}.")
         if self.long_inputs not in LONG_INPUTS:
             raise ValueError(f"--long-inputs must be one of {', '.join(LONG_INPUTS)}, got {self.long_inputs!r}.")
+        if self.input_format not in INPUT_FORMATS:
+            raise ValueError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}.")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1 sentence, got {self.batch_size}.")
         try:

@@ -1,15 +1,29 @@
 """LibreTranslate's two text formats (`format` "text" and "html"): the sentences of a text, and its translation rebuilt.
 
 The model translates sentences, one at a time, as it was trained; `serving.py` and `translation.py` call
-`split_text` for every text and `rebuild` with the translations.
+`split_text` for every text and `rebuild` with the translations. A file's format is its suffix's (`file_format`).
 """
 
 import html
 import re
 from collections.abc import Callable
 from html.parser import HTMLParser
+from pathlib import PurePath
 
 from .segmentation import split_sentences
+
+# The files translated whole, by suffix (lowercase), and the format of their text: LibreTranslate's .txt and .html
+# (`supportedFilesFormat`), and .htm, the same format under its older name.
+FILE_FORMATS = {".txt": "text", ".html": "html", ".htm": "html"}
+
+
+def file_format(name: str) -> str | None:
+    """The format ("text" or "html") of a file named `name`, by its suffix in any case (`FILE_FORMATS`); None for
+    another suffix or none (`translate` reads such a file as text, line by line; `serve` refuses it).
+
+    See docs/serving.md, "Files".
+    """
+    return FILE_FORMATS.get(PurePath(name).suffix.lower())
 
 
 class _HTMLText(HTMLParser):

@@ -178,7 +178,8 @@ class _Prepared:
 class _Translator:
     """Translates batches of texts with an engine: their sentences, and the user's choice for too-long ones.
 
-    Each text is split into sentences (`text_format.split_text`) unless `split_sentences` is False. Sentences longer
+    Each text (in `text_format`, "text" or "html") is split into sentences (`text_format.split_text`) unless
+    `split_sentences` is False. Sentences longer
     than the engine's `source_limit` raise, are split at a clause or word boundary (`segmentation.fit_to_limit`,
     one warning per batch), or are truncated to it with one warning per instance (one per `translate` call or
     stream), as `long_inputs` says.
@@ -191,12 +192,16 @@ class _Translator:
         long_inputs: str,
         split_sentences: bool = False,
         source_lang: str | None = None,
+        text_format: str = "text",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
         if long_inputs not in LONG_INPUTS:
             raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {long_inputs!r}.")
+        if text_format not in ("text", "html"):
+            raise ValueError(f"text_format must be 'text' or 'html', got {text_format!r}.")
         self.engine, self.batch_size, self.long_inputs = engine, batch_size, long_inputs
+        self.text_format = text_format
         self.split_sentences, self.source_lang = split_sentences, source_lang
         self.warned = False
 
@@ -215,7 +220,7 @@ class _Translator:
         Raises:
             ValueError: with long_inputs="error", a sentence over the limit, named by its text's number.
         """
-        splits = [split_text(text, "text", self.source_lang, self.split_sentences) for text in texts]
+        splits = [split_text(text, self.text_format, self.source_lang, self.split_sentences) for text in texts]
         sentences = [sentence for found, _ in splits for sentence in found]
         counts = [len(found) for found, _ in splits]
         # A blank text translates to "", as `translate` promises, not to the whitespace of its layout.
@@ -229,8 +234,9 @@ class _Translator:
         if too_long is not None and not self.warned:
             line = next(t for t in range(len(counts)) if sum(counts[: t + 1]) > too_long)
             where = f"Sentence {first_number + line}"
-            if counts[line] > 1:
-                where = f"Sentence {too_long - sum(counts[:line]) + 1} of line {first_number + line}"
+            if counts[line] > 1:  # an HTML document is one text, whose lines are no unit of its sentences
+                unit = "line" if self.text_format == "text" else "HTML text"
+                where = f"Sentence {too_long - sum(counts[:line]) + 1} of {unit} {first_number + line}"
             problem = (
                 f"{where} has {lengths[too_long]} tokens, more than the model's limit of {limit} "
                 f"({self.engine.limit_name})"
@@ -303,6 +309,7 @@ def translate(
     num_workers: int = 1,
     split_sentences: bool = SPLIT_SENTENCES,
     source_lang: str | None = None,
+    text_format: str = "text",
     **generate_kwargs,
 ) -> list[str]:
     """Translate texts sentence by sentence, in batches of similar length, with `model.generate()`.
@@ -330,6 +337,8 @@ def translate(
         split_sentences: split each text into sentences (the default, `InferenceConfig`'s); False translates each
             text whole, for one sentence per line (`evaluate`, validation BLEU).
         source_lang: ISO 639-1 code of the texts, for the segmenter's rules (`segmentation.split_sentences`).
+        text_format: "text" (the default), or "html": each text a document whose text nodes are translated and
+            whose markup is kept as written (`text_format.split_text`), LibreTranslate's `format`.
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
@@ -338,15 +347,16 @@ def translate(
 
     Raises:
         TypeError: `sentences` is one string, not a list of them.
-        ValueError: `batch_size` < 1, an unknown `long_inputs`, `generate_kwargs` with an engine,
-            `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, or (with "error") a
-            source over the limit; the message names the sentence (1-based) and its length.
+        ValueError: `batch_size` < 1, an unknown `long_inputs` or `text_format`, `generate_kwargs` with an engine,
+            `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, HTML that Python's
+            parser cannot read, or (with "error") a source over the limit; the message names the sentence (1-based)
+            and its length.
     """
     if isinstance(sentences, str):  # else each character would be translated as a sentence of its own
         raise TypeError("translate() takes a list of sentences: write translate(model, tokenizer, [sentence]).")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang)
+    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang, text_format)
     prepared = translator.prepare(sentences, first_number=1)
     pieces = prepared.pieces.texts
     with tqdm(total=len(pieces), unit="sent", desc="Translating", disable=not progress) as bar:
@@ -364,6 +374,7 @@ def translate_stream(
     num_workers: int = 1,
     split_sentences: bool = SPLIT_SENTENCES,
     source_lang: str | None = None,
+    text_format: str = "text",
     **generate_kwargs,
 ) -> Iterator[str]:
     """Translate lines as they arrive (e.g. from stdin), `batch_size` at a time, in order.
@@ -376,7 +387,8 @@ def translate_stream(
     errors are those of `translate` (sentence numbers count from the first line of the stream); a
     too-long line raises only when its batch is reached, and a line that is not UTF-8 when it is
     read, both after the lines before them were yielded. Non-blank lines that translate to an empty
-    string are counted in one warning when the stream ends.
+    string are counted in one warning when the stream ends. With `text_format="html"`, each item is an HTML
+    document, translated whole (`translate`'s `text_format`).
 
     See docs/performance.md, "Translating in worker processes".
     """
@@ -384,7 +396,7 @@ def translate_stream(
         raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang)
+    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang, text_format)
     # The batches given to the workers, whose translations come back in order.
     handed_out: deque[tuple[list[str], _Prepared]] = deque()
 
