@@ -29,5 +29,6 @@ def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_
     assert (chosen.port, chosen.access_log, chosen.threads) == (0, False, 1)
     assert chosen.char_limit == defaults.char_limit and chosen.batch_wait_ms == defaults.batch_wait_ms
     refused = [("--char-limit", "0"), ("--batch-wait-ms", "-1"), ("--batch-wait-ms", "inf"), ("--threads", "0")]
+    refused.append(("--file-size-limit", "0"))
     for option, value in refused:
         assert main(["serve", "no-such-model", option, value]) == 2

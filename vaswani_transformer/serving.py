@@ -2,7 +2,7 @@
 
 `vaswani-transformer serve MODEL` runs a FastAPI app under uvicorn (the `serve` extra):
 
-- `POST /translate` and `GET /languages` speak the LibreTranslate API
+- `POST /translate`, `POST /translate_file` and `GET /languages` speak the LibreTranslate API
   (https://docs.libretranslate.com/guides/api_usage/), so its clients work unchanged; `GET /health`
   says the server is up; `GET /` is a page to type a sentence and see its translation.
 - One worker thread owns the model. Request handlers put their sentences on a queue and await;
@@ -49,8 +49,9 @@ from .inference_config import BATCH_SIZE, InferenceConfig
 from .language_detection import LanguageDetector
 from .micro_batching import MicroBatcher
 from .serving_config import ServingConfig
+from .serving_files import FileStore, file_routes
 from .serving_metrics import ServingMetrics
-from .serving_models import ServedModel
+from .serving_models import ServedModel, choose_model
 from .serving_requests import Limits, RequestError, parse_translate_request, request_fields
 from .translation import warn_of_empty_translations
 
@@ -89,9 +90,10 @@ def create_app(
     detector: LanguageDetector,
     metrics: ServingMetrics,
     alternatives_limit: int = ServingConfig.alternatives_limit,
+    file_size_limit: int = ServingConfig.file_size_limit,
 ) -> FastAPI:
-    """The FastAPI app: LibreTranslate's `POST /translate` and `/detect` and `GET /languages`; `GET /health`,
-    `GET /metrics` and the page at `/`.
+    """The FastAPI app: LibreTranslate's `POST /translate`, `/translate_file` and `/detect`, `GET /languages` and
+    `/download_file/NAME`; `GET /health`, `GET /metrics` and the page at `/`.
 
     See docs/serving.md, "The API".
 
@@ -101,10 +103,13 @@ def create_app(
         detector: detects the language of `source=auto` and of `/detect`.
         metrics: what `GET /metrics` answers; the app counts requests, latency and sentences.
         alternatives_limit: the most alternatives one text may ask for.
+        file_size_limit: the most bytes of one file of `/translate_file`, kept in a temporary directory of the app's
+            own (`serving_files.FileStore`), deleted when the app shuts down.
     """
     page = (resources.files("vaswani_transformer") / "static" / "index.html").read_text(encoding="utf-8")
     by_pair = {(model.source, model.target): model for model in models}
     limits = models[0].limits  # the server's: every model is served with the same limits
+    store = FileStore(file_size_limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,6 +117,7 @@ def create_app(
         # uvicorn calls this after the requests in flight were answered; the queues are empty by then.
         for model in models:
             await asyncio.to_thread(model.batcher.close)
+        store.close()
 
     app = FastAPI(title="vaswani_transformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # LibreTranslate answers browsers from any origin; so do we, for its web clients.
@@ -124,7 +130,8 @@ def create_app(
         started = time.perf_counter()
         response = await call_next(request)
         # Known routes only: a label per unknown path would let any client grow the registry without end.
-        endpoint = request.url.path if request.url.path in _MEASURED else "other"
+        path = request.url.path
+        endpoint = path if path in _MEASURED else "/download_file" if path.startswith("/download_file/") else "other"
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
@@ -188,17 +195,8 @@ def create_app(
         checked = parse_translate_request(
             fields, list(by_pair), dataclasses.replace(limits, char_limit=char_limit), alternatives_limit
         )
-        detected = None
-        source = checked.source
-        if checked.auto:  # one language for the request, from all its texts, as LibreTranslate detects
-            detected = detector.detect("\n".join(checked.texts))[0]
-            source = detected["language"]
-            if (source, checked.target) not in by_pair:
-                raise RequestError(
-                    f"the text was detected as {source!r}, which this server does not translate into "
-                    f"{checked.target!r} (GET /languages)"
-                )
-        model = by_pair[(source, checked.target)]
+        text = "\n".join(checked.texts) if checked.auto else ""  # all its texts say the request's language
+        model, detected = choose_model(by_pair, detector, checked.source, checked.target, text)
         translated = await model.translate(checked.texts, checked.format, checked.alternatives, checked.is_list)
         metrics.sentences.labels(f"{model.source}-{model.target}").inc(translated.sentences)
         texts = translated.texts
@@ -209,11 +207,12 @@ def create_app(
             body["alternatives"] = translated.alternatives if checked.is_list else translated.alternatives[0]
         return JSONResponse(body)
 
+    app.include_router(file_routes(store, by_pair, access, detector, metrics))
     return app
 
 
-# The paths `/metrics` labels by name.
-_MEASURED = frozenset({"/", "/health", "/languages", "/metrics", "/detect", "/translate"})
+# The paths `/metrics` labels by name (and `/download_file` for every file's).
+_MEASURED = frozenset({"/", "/health", "/languages", "/metrics", "/detect", "/translate", "/translate_file"})
 
 
 def _logging_empty(engine: Engine) -> Callable[[list[str], int], list[list[str]]]:
@@ -332,7 +331,7 @@ def serve(
             for source, target, model in pairs:
                 served.append(_served_model(source, target, model, config, inference, metrics))
             access = Access(keys, config.req_limit, config.char_limit)
-            app = create_app(served, access, detector, metrics, config.alternatives_limit)
+            app = create_app(served, access, detector, metrics, config.alternatives_limit, config.file_size_limit)
             bound_host, bound_port = sock.getsockname()[:2]
             shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
             names = " and ".join(

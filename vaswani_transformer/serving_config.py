@@ -62,6 +62,12 @@ class ServingConfig:
     alternatives_limit: int = option(
         3, help="alternatives one text may ask for (LibreTranslate's --alternatives-limit)", group=LIMITS
     )
+    file_size_limit: int = option(
+        1_000_000,
+        help="bytes of a file of POST /translate_file (413 beyond them); its text is also held to --char-limit, an "
+        "HTML file's text nodes without their markup",
+        group=LIMITS,
+    )
     api_keys: str | None = option(
         None,
         help='JSON file of API keys and their limits, {"KEY": {"req_limit": 60, "char_limit": 5000}}: a request '
@@ -88,7 +94,7 @@ class ServingConfig:
             raise ValueError(f"--req-limit must be at least 1 request a minute, got {self.req_limit}.")
         if self.alternatives_limit < 0:
             raise ValueError(f"--alternatives-limit must be 0 or more, got {self.alternatives_limit}.")
-        for name in ("max_batch_tokens", "char_limit", "batch_limit", "sentence_limit"):
+        for name in ("max_batch_tokens", "char_limit", "batch_limit", "sentence_limit", "file_size_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
         if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):

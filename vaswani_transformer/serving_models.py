@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from .language_detection import LanguageDetector
 from .micro_batching import MicroBatcher
 from .segmentation import fit_to_limit
 from .serving_requests import Limits, RequestError
@@ -63,8 +64,12 @@ class ServedModel:
     def _count(self, sentences: list[str]) -> list[int]:
         return [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]] if sentences else []
 
-    async def translate(self, texts: list[str], text_format: str, alternatives: int, is_list: bool) -> Translated:
+    async def translate(
+        self, texts: list[str], text_format: str, alternatives: int, is_list: bool, field: str = "q"
+    ) -> Translated:
         """Translate a request's texts, sentence by sentence, with up to `alternatives` other translations each.
+
+        `field` is what the refusals call the texts: `q` (`q[i]` for a list), or `file` (`POST /translate_file`).
 
         Text i's alternative k is the text rebuilt from the (k + 1)-th best translation of each of its sentences
         (the best where a sentence has no more), dropped where it equals the translation or an earlier alternative,
@@ -87,8 +92,8 @@ class ServedModel:
         work = [i for i, sentence in enumerate(sentences) if sentence.strip()]  # layout stays as it is
         if len(work) > limits.sentence_limit:
             raise RequestError(
-                f"Invalid request: q has {len(work)} sentences, more than the limit of {limits.sentence_limit} "
-                "(--sentence-limit); send them in several requests"
+                f"Invalid request: {field} has {len(work)} sentences, more than the limit of "
+                f"{limits.sentence_limit} (--sentence-limit); send them in several requests"
             )
         if alternatives + 1 > max(self.beams, 1):
             raise RequestError(
@@ -104,7 +109,7 @@ class ServedModel:
                 if first < start + len(found):
                     break
                 start += len(found)
-            where = f"q[{owner}]" if is_list else "q"
+            where = f"{field}[{owner}]" if is_list else field
             raise RequestError(
                 f"Invalid request: {where} has a sentence of {max(lengths)} tokens, more than the model's limit of "
                 f"{limit}; split it into shorter sentences"
@@ -139,3 +144,25 @@ class ServedModel:
             others.append([v for k, v in enumerate(versions) if k and v not in versions[:k]])
             start = end
         return Translated(out, others, len(pieces.texts))
+
+
+def choose_model(
+    models: dict[tuple[str, str], ServedModel], detector: LanguageDetector, source: str, target: str, text: str
+) -> tuple[ServedModel, dict | None]:
+    """The model of a request's pair (checked by `serving_requests.parse_languages`) and, for `source` "auto", the
+    language detected in `text` (LibreTranslate's `detectedLanguage`, `{"confidence", "language"}`), else None.
+
+    See docs/serving.md, "Language detection".
+
+    Raises:
+        RequestError: `text` was detected as a language no served model translates into `target` (400).
+    """
+    if source != "auto":
+        return models[(source, target)], None
+    detected = detector.detect(text)[0]  # one language for the request, as LibreTranslate detects
+    if (detected["language"], target) not in models:
+        raise RequestError(
+            f"the text was detected as {detected['language']!r}, which this server does not translate into "
+            f"{target!r} (GET /languages)"
+        )
+    return models[(detected["language"], target)], detected

@@ -118,19 +118,8 @@ def parse_translate_request(
             f"Invalid request: q has {characters} characters, more than the limit of {limits.char_limit}"
         )
 
-    source, target = fields.get("source"), fields.get("target")
-    for name, value in (("source", source), ("target", target)):
-        if value is None or value == "":
-            raise RequestError(f"Invalid request: missing {name} parameter")
-        if not isinstance(value, str):
-            raise RequestError(f"Invalid request: {name} must be a language code string, got {type(value).__name__}")
-    served = ", ".join(f"{s} -> {t}" for s, t in pairs)
+    source, target = parse_languages(fields, pairs)
     auto = source == "auto"
-    if not auto and source not in {s for s, _ in pairs}:
-        raise RequestError(f"source {source!r} is not supported: this server translates {served} (GET /languages)")
-    if target not in {t for s, t in pairs if auto or s == source}:
-        raise RequestError(f"target {target!r} is not supported: this server translates {served} (GET /languages)")
-
     text_format = fields.get("format") or "text"
     if text_format not in ("text", "html"):
         raise RequestError(f"Invalid request: format must be 'text' or 'html', got {text_format!r}")
@@ -146,8 +135,32 @@ def parse_translate_request(
     return TranslateRequest(texts, is_list, source, target, auto, text_format, alternatives)
 
 
-async def request_fields(request: Request, max_bytes: int) -> dict:
+def parse_languages(fields: dict, pairs: Collection[tuple[str, str]]) -> tuple[str, str]:
+    """The `source` ("auto" where it is to be detected) and `target` of a request, LibreTranslate's fields, checked.
+
+    Raises:
+        RequestError: a field missing, not a string, or a language (or pair) the server does not translate; the
+            message names the field and the pairs served.
+    """
+    source, target = fields.get("source"), fields.get("target")
+    for name, value in (("source", source), ("target", target)):
+        if value is None or value == "":
+            raise RequestError(f"Invalid request: missing {name} parameter")
+        if not isinstance(value, str):
+            raise RequestError(f"Invalid request: {name} must be a language code string, got {type(value).__name__}")
+    served = ", ".join(f"{s} -> {t}" for s, t in pairs)
+    auto = source == "auto"
+    if not auto and source not in {s for s, _ in pairs}:
+        raise RequestError(f"source {source!r} is not supported: this server translates {served} (GET /languages)")
+    if target not in {t for s, t in pairs if auto or s == source}:
+        raise RequestError(f"target {target!r} is not supported: this server translates {served} (GET /languages)")
+    return source, target
+
+
+async def request_fields(request: Request, max_bytes: int, max_files: int = 0) -> dict:
     """The fields of a JSON, form-encoded or multipart body (LibreTranslate takes all three), over the query's.
+
+    A multipart body may hold up to `max_files` files (`POST /translate_file`'s one), each an `UploadFile` field.
 
     Raises:
         RequestError: a body over `max_bytes` (413); a malformed body, a field of the query string or
@@ -174,7 +187,8 @@ async def request_fields(request: Request, max_bytes: int) -> dict:
             yield bytes(body)
 
         try:
-            form = await _MultiPartParser(request.headers, stream(), max_files=0, max_part_size=max_bytes).parse()
+            parser = _MultiPartParser(request.headers, stream(), max_files=max_files, max_part_size=max_bytes)
+            form = await parser.parse()
         except MultiPartException as error:
             raise RequestError(f"Invalid request: malformed multipart body ({error.message})") from None
         return fields | _utf8_fields(form.multi_items(), "multipart body")
@@ -219,10 +233,11 @@ def _urlencoded_fields(raw: bytes, where: str) -> dict:
 
 
 def _utf8_fields(pairs: Iterable[tuple[str, object]], where: str) -> dict:
-    # The fields by name, a repeated one as a list, each refused if it holds a byte that was not UTF-8.
+    # The fields by name, a repeated one as a list, each refused if it holds a byte that was not UTF-8 (a file's
+    # bytes are its endpoint's to read).
     grouped: dict[str, list] = {}
     for name, value in pairs:
-        for text in (name, value):
+        for text in (name, value) if isinstance(value, str) else (name,):
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as error:
