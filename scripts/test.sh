@@ -3,12 +3,17 @@
 # range (docs/compatibility.md): the whole suite with the newest releases in this environment; the tests that touch
 # transformers (modeling, generation, pipeline, Trainer, remote code, Hub) with pyproject.toml's lower bounds in a
 # second environment, .venv-oldest. Exits non-zero on failure. Arguments, if any, replace both runs' selections.
-# PyTorch is pinned first: its CPU build lies on the project's machines, and an unpinned `torch`
-# requirement with no torch installed would pull a multi-GB CUDA build.
+# PyTorch is pinned first, by pip, which reads the machine's pip configuration: its CPU build lies on the project's
+# machines, and an unpinned `torch` requirement with no torch installed would pull a multi-GB CUDA build.
+# uv installs the rest, resolving as pip does, in a fraction of pip's time; pytest-xdist runs the tests on every core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+python=$(python -c 'import sys; print(sys.executable)')
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0 "uv>=0.5"
+install() {  # install PYTHON [uv pip install arguments]: the project and its test dependencies
+    python -m uv pip install --quiet --compile-bytecode --python "$@" -e ".[dev]"
+}
+install "$python"
 # Debian's Chromium for the serving page's test in a real browser (Playwright drives it; no browser download).
 if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
@@ -18,18 +23,18 @@ fi
 # The oldest end: every lower bound of pyproject.toml's dependencies, installed exactly.
 oldest=$PWD/.venv-oldest  # absolute: tests run the other end's Python from their own directories
 python -m venv "$oldest"
-python - >"$oldest/constraints.txt" <<'EOF'
+python - >"$oldest/constraints.txt" <<'PYTHON'
 import re, tomllib
 with open("pyproject.toml", "rb") as project:
     for requirement in tomllib.load(project)["project"]["dependencies"]:
         if bound := re.match(r"([\w.-]+)\s*>=\s*([\w.]+)", requirement):
             print(f"{bound[1]}=={bound[2]}")
-EOF
+PYTHON
 "$oldest/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
-"$oldest/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev]" -c "$oldest/constraints.txt"
+install "$oldest/bin/python" --constraint "$oldest/constraints.txt"
 
 echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"
-VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q --durations=15 "$@"
+VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q -n auto --durations=15 "$@"
 echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
 selection=("$@")
 [ $# -gt 0 ] || selection=(
@@ -39,4 +44,4 @@ selection=("$@")
     tests/test_hub.py
 )
 # Without VASWANI_OTHER_END_PYTHON: the first run already saved under each end and loaded under the other.
-"$oldest/bin/python" -m pytest -q --durations=15 "${selection[@]}"
+"$oldest/bin/python" -m pytest -q -n auto --durations=15 "${selection[@]}"

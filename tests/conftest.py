@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,12 @@ import torch
 # weight gradients: tests that compare runs to the bit must not depend on how two processes measured them
 # (kernels_vaswani.onednn_min_product).
 os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
+# Under pytest-xdist (scripts/test.sh runs two workers on a 2-core machine) each worker, and each process it starts,
+# computes on one thread: an OpenMP region of two threads waits on a core the other worker holds, and spins.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import vaswani_transformer  # noqa: E402, F401  (registers the Auto classes)
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
@@ -31,6 +38,13 @@ _spec = importlib.util.spec_from_file_location("fault_campaign", REPOSITORY / "s
 fault_campaign = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fault_campaign)
 MINI_MODEL, make_corpus = fault_campaign.MINI_MODEL, fault_campaign.make_corpus
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A run ends with its longest test: the heavy ones go first, and pytest-xdist's first round hands them out in
+    # turn, so that no worker starts one when the others are done. They take session fixtures only: moving a test
+    # out of its module would set that module's fixtures up twice.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 def _multi30k_candidates() -> list[Path]:
@@ -93,21 +107,34 @@ def seq2seq_batch(tokenizer, sources, targets):
 
 @pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
-    """A small model trained for 150 steps on Multi30k through the command line, saved with its tokenizer."""
+    """A small model trained for 150 steps on Multi30k through the command line, saved with its tokenizer.
+
+    Trained once per run: under pytest-xdist the first worker to ask trains it, and the others wait for it.
+    """
+    from filelock import FileLock
+
     from vaswani_transformer.cli import main
 
-    output_dir = tmp_path_factory.mktemp("trained")
-    status = main(
-        [
-            "train", "--data-dir", str(multi30k_dir), "--source-lang", "en", "--target-lang", "de",
-            "--output-dir", str(output_dir), "--preset", "small",
-            "--model-option", "d_model=64", "--model-option", "d_ff=256", "--model-option", "num_attention_heads=4",
-            "--model-option", "encoder_layers=2", "--model-option", "decoder_layers=2",
-            "--vocab-size", "2000", "--max-tokens", "2048", "--warmup-steps", "50", "--learning-rate-scale", "0.2",
-            "--max-steps", "150", "--eval-steps", "50", "--save-steps", "50", "--average-last", "2",
-        ]
-    )  # fmt: skip
-    assert status == 0
+    # The run's directory holds every worker's own; without xdist the session's directory is the run's.
+    shared = tmp_path_factory.getbasetemp().parent if XDIST_WORKER else tmp_path_factory.getbasetemp()
+    output_dir, done = shared / "trained", shared / "trained.done"
+    with FileLock(shared / "trained.lock"):
+        if not done.exists():
+            shutil.rmtree(output_dir, ignore_errors=True)  # a worker that failed to train left it half-written
+            status = main(
+                [
+                    "train", "--data-dir", str(multi30k_dir), "--source-lang", "en", "--target-lang", "de",
+                    "--output-dir", str(output_dir), "--preset", "small",
+                    "--model-option", "d_model=64", "--model-option", "d_ff=256",
+                    "--model-option", "num_attention_heads=4",
+                    "--model-option", "encoder_layers=2", "--model-option", "decoder_layers=2",
+                    "--vocab-size", "2000", "--max-tokens", "2048", "--warmup-steps", "50",
+                    "--learning-rate-scale", "0.2",
+                    "--max-steps", "150", "--eval-steps", "50", "--save-steps", "50", "--average-last", "2",
+                ]
+            )  # fmt: skip
+            assert status == 0
+            done.touch()
     return output_dir
 
 

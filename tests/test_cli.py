@@ -418,6 +418,7 @@ def run_read_only(directory: Path, *arguments: str) -> subprocess.CompletedProce
             path.chmod(0o755 if path.is_dir() else 0o644)
 
 
+@pytest.mark.heavy
 def test_evaluate_refuses_a_model_card_it_cannot_write_before_translating(trained_model_dir, multi30k_dir, tmp_path):
     model = shutil.copytree(trained_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints"))
     for lang in ("en", "de"):
@@ -435,6 +436,7 @@ def test_evaluate_refuses_a_model_card_it_cannot_write_before_translating(traine
     assert result.returncode == 0 and json.loads(result.stdout.splitlines()[-1])["sentences"] == 8, result.stderr
 
 
+@pytest.mark.heavy
 def test_the_ctranslate2_engine_names_its_option_where_the_model_directory_is_read_only(trained_model_dir, tmp_path):
     pytest.importorskip("ctranslate2")
     model = shutil.copytree(

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import cli_arguments, free_port, mini_run, read_log
 from safetensors.torch import load_file
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from vaswani_transformer.training import train
 
 
+@pytest.mark.heavy
 def test_two_processes_keep_identical_parameters_and_follow_the_single_process_loss(mini_corpus, tmp_path):
     # No dropout, so that the processes' random draws do not matter; one process accumulating two
     # batches per step sees exactly the batches that two processes see together.

@@ -52,6 +52,7 @@ def assert_bitwise_equal(left: dict[str, torch.Tensor], right: dict[str, torch.T
     assert not different, f"parameters differ: {different}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_a_sharded_run_killed_after_a_checkpoint_resumes_to_the_same_whole_parameters(backend, mini_corpus, tmp_path):
     if backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:

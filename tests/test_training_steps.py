@@ -5,6 +5,7 @@ from accelerate.state import AcceleratorState
 from conftest import mini_run, read_log
 
 
+@pytest.mark.heavy
 def test_compiled_training_follows_eager_training_and_logs_model_flops(mini_corpus, tmp_path, monkeypatch):
     # torch.compile (dynamic shapes, lengths padded to multiples of 8) computes the same steps to float rounding.
     from vaswani_transformer import training_data
