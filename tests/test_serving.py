@@ -39,10 +39,12 @@ ARTIFACTS = Path(os.environ.get("VASWANI_TEST_ARTIFACTS", ROOT / "outputs" / "te
 class Server:
     """`vaswani-transformer serve` in a subprocess on a port the system chooses; its log goes to a file."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *options: str) -> None:
+    def __init__(self, models: Path | list[str], log_path: Path, *options: str) -> None:
+        # models: one model's directory, or serve's MODEL arguments (["en-de=DIR1", "fr-de=DIR2"])
         self.log_path = log_path
         self.log = open(log_path, "w")
-        command = [sys.executable, "-m", "vaswani_transformer.cli", "serve", str(model_dir), "--port", "0", *options]
+        models = [str(models)] if isinstance(models, Path) else models
+        command = [sys.executable, "-m", "vaswani_transformer.cli", "serve", *models, "--port", "0", *options]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
         self.url = self._wait_for_banner(timeout=180)
 
@@ -501,12 +503,16 @@ def test_serve_fails_in_one_line_without_languages_or_on_a_busy_port(trained_mod
     assert error.count("\n") == 1 and "--port" in error
 
 
-def test_the_page_translates_in_headless_chromium(server, sentences, references, tmp_path):
+def test_the_page_translates_paragraphs_alternatives_and_files_in_headless_chromium(
+    server, sentences, references, tmp_path
+):
     sync_api = pytest.importorskip("playwright.sync_api")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no Chromium; scripts/test.sh installs Debian's chromium package")
-    sentence = sentences[3]
+    paragraph = f"{sentences[3]} {sentences[4]}\n\n{sentences[5]}"
+    upload = tmp_path / "page.html"
+    upload.write_text(f"<p>{sentences[6]}</p><script>document.title = '{sentences[7]}';</script>")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium,
@@ -514,24 +520,43 @@ def test_the_page_translates_in_headless_chromium(server, sentences, references,
                   "--disable-sync", "--no-first-run"],
         )  # fmt: skip
         try:
-            page = browser.new_page(viewport={"width": 900, "height": 520})
+            page = browser.new_page(viewport={"width": 900, "height": 720})
             page.goto(server.url + "/")
             page.wait_for_selector("body[data-ready=true]", timeout=30_000)
             assert page.inner_text("#pair") == "English → German"
-            page.fill("#source", sentence)
+            # A pasted paragraph comes back with its layout, its language detected when asked.
+            page.select_option("#from", "auto")
+            page.fill("#source", paragraph)
             page.click("#translate")
-            page.wait_for_function("document.getElementById('translation').textContent.length > 0", timeout=60_000)
-            shown, error = page.inner_text("#translation"), page.inner_text("#error")
+            page.wait_for_function("document.getElementById('detected').textContent.length > 0", timeout=60_000)
+            shown, detected = page.eval_on_selector("#translation", "e => e.textContent"), page.inner_text("#detected")
             page.screenshot(path=str(tmp_path / "serving_page.png"))
+            # Alternatives of one sentence: the first is the translation.
+            page.select_option("#from", "en")
+            page.fill("#source", sentences[3])
+            page.fill("#count", "3")
+            page.click("#translate")
+            page.wait_for_function("document.querySelectorAll('#alternatives li').length > 0", timeout=60_000)
+            alternatives = page.eval_on_selector_all("#alternatives li", "items => items.map(i => i.textContent)")
+            single = page.inner_text("#translation")
+            # A file: uploaded, translated, linked for download from this server.
+            page.set_input_files("#file", str(upload))
+            page.click("#translate-file")
+            page.wait_for_selector("#download:not([hidden])", timeout=60_000)
+            link, error = page.get_attribute("#download", "href"), page.inner_text("#error")
         finally:
             browser.close()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shutil.copy(tmp_path / "serving_page.png", ARTIFACTS / "serving_page.png")
     assert error == ""
-    assert (
-        shown == call(f"{server.url}/translate", {"q": sentence, "source": "en", "target": "de"})[1]["translatedText"]
-    )
-    assert shown == references[sentence]
+    expected = f"{references[sentences[3]]} {references[sentences[4]]}\n\n{references[sentences[5]]}"
+    assert shown == expected and detected.startswith("Detected: English")
+    plain = call(f"{server.url}/translate", {"q": sentences[3], "source": "en", "target": "de", "alternatives": 3})[1]
+    assert single == references[sentences[3]] and alternatives == plain["alternatives"]
+    assert link.startswith("/download_file/")
+    with urllib.request.urlopen(server.url + link, timeout=60) as response:
+        downloaded = response.read().decode()
+    assert downloaded == f"<p>{references[sentences[6]]}</p><script>document.title = '{sentences[7]}';</script>"
 
 
 def test_serve_logs_the_sentences_an_engine_translates_to_nothing(caplog):
