@@ -10,7 +10,11 @@ The script starts the server itself, twice, on a free loopback port each time, w
   lines) every `--big-every` seconds (the next as soon as the last is answered, if that takes
   longer). It measures fair queueing: the other clients' latency with the big requests against
   the "micro-batching" run's. The server gets `--sentence-limit` `--big-lines` (in both runs), so
-  that it translates the big requests instead of refusing them; its `--request-timeout` is serve's.
+  that it translates the big requests instead of refusing them; its `--request-timeout` is serve's;
+- "beside a neighbour" (only when asked for with `--modes`): micro-batching while another process keeps one core
+  busy (a Python loop, started before the warm-up and killed after the run), as a training job or another service
+  on the same machine would. It measures how serve's threads share the cores: `neighbour_throughput_ratio` is its
+  throughput over the "micro-batching" run's.
 
 Each time, after a few warm-up requests, `--clients` threads (each with its own keep-alive
 connection) send `--requests` POST /translate requests in all, one Multi30k test sentence each
@@ -30,11 +34,14 @@ to `--output` as JSON.
     python scripts/load_test.py --model outputs/multi30k-en-de --clients 32 --requests 1000 --output load.json
     python scripts/load_test.py --model outputs/multi30k-en-de --modes micro-batching "big requests" --max-p99-ratio 3
 
-`--threads N` is passed to both servers (`serve --threads`): on two cores shared with the clients,
-measure 1 and 2.
+`--threads N` is passed to every server (`serve --threads`; default: serve's, one per core less one):
+on two cores shared with the clients, measure 1 and 2.
+
+    python scripts/load_test.py --model outputs/multi30k-en-de --modes micro-batching "beside a neighbour" \
+        --min-neighbour-ratio 0.4
 
 Exit status: 0 when every run answered every request of its `--clients` without an error (and, with
-`--min-gain` and `--max-p99-ratio`, the gain and the ratio kept to them), 1 otherwise. The big
+`--min-gain`, `--max-p99-ratio` and `--min-neighbour-ratio`, the gain and the ratios kept to them), 1 otherwise. The big
 client's answers are reported, not counted as errors: past serve's `--request-timeout`, a 503 is its
 right answer.
 """
@@ -57,13 +64,17 @@ from benchmark_common import commit_measured, cpu_times  # scripts/benchmark_com
 from benchmark_common import machine as benchmark_machine
 
 from vaswani_transformer.inference_config import ENGINES
+from vaswani_transformer.serving_config import ServingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "micro-batching": [],  # the batching options of the command line are added
     "one at a time": ["--batch-wait-ms", "0", "--batch-size", "1"],
     "big requests": [],  # micro-batching's, and a client of big requests
+    "beside a neighbour": [],  # micro-batching's, and a process busy on one core
 }
+# The neighbour: one core kept busy, and nothing else asked of the machine.
+NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=8, help="untimed requests before each run (default: 8)")
     parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="serve's --engine")
-    parser.add_argument("--threads", type=int, default=None, help="serve's --threads, both runs (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="serve's --threads, every run (default: serve's)")
     parser.add_argument("--batch-wait-ms", type=float, default=None, help="serve's option for the micro-batching run")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="serve's option for the micro-batching run")
     parser.add_argument("--batch-size", type=int, default=None, help="serve's option, micro-batching run")
@@ -112,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="fail if the other clients' p99 with big requests is over this many times micro-batching's",
+    )
+    parser.add_argument(
+        "--min-neighbour-ratio",
+        type=float,
+        default=None,
+        help="fail if the throughput beside a neighbour is under this share of micro-batching's (e.g. 0.4)",
     )
     parser.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
@@ -298,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": args.engine,
         "clients": args.clients,
         "requests": args.requests,
-        "server_threads": args.threads,
+        "server_threads": ServingConfig(threads=args.threads).cpu_threads(),  # what serve computes on
         "sentences": f"{args.data_dir / args.split}.{args.source_lang}",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(args.engine),
@@ -309,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             options = MODES[mode] or batching
             server = Server(args, options, Path(workdir) / f"server-{len(report['runs'])}.log")
             print(f"{mode}: {args.clients} clients, {args.requests} requests ({' '.join(options) or 'defaults'})")
+            neighbour = subprocess.Popen(NEIGHBOUR) if mode == "beside a neighbour" else None
             try:
                 run = drive(server, args, sentences, big_requests=mode == "big requests")
             finally:
+                if neighbour is not None:
+                    neighbour.kill()
+                    neighbour.wait()
                 run_status = server.stop()
             run["server_options"] = options
             run["server_exit_status"] = run_status
@@ -323,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     if "micro-batching" in runs and "big requests" in runs:
         without = runs["micro-batching"]["latency_ms"]["p99"]
         report["p99_ratio_big_requests"] = round(runs["big requests"]["latency_ms"]["p99"] / without, 2)
+    if "micro-batching" in runs and "beside a neighbour" in runs:
+        idle = runs["micro-batching"]["sentences_per_second"]
+        report["neighbour_throughput_ratio"] = round(runs["beside a neighbour"]["sentences_per_second"] / idle, 2)
     if "micro-batching" in runs and "one at a time" in runs:
         batched, alone = runs["micro-batching"], runs["one at a time"]
         if alone["sentences_per_second"] > 0:
@@ -349,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if "big requests" in runs:
         answers = runs["big requests"]["big_requests"]["answers"]
         print(f"big requests ({args.big_lines} lines every {args.big_every:g} s): (status, seconds) {answers}")
+    if "neighbour_throughput_ratio" in report:
+        print(f"throughput beside a neighbour busy on one core: {report['neighbour_throughput_ratio']:.2f}x idle")
     if "p99_ratio_big_requests" in report:
         print(f"the other clients' p99 with big requests: {report['p99_ratio_big_requests']:.2f}x without")
     cpu = report["machine"]
@@ -364,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_gain is not None and report.get("gain", 0) < args.min_gain:
         failed = True
     if args.max_p99_ratio is not None and report.get("p99_ratio_big_requests", math.inf) > args.max_p99_ratio:
+        failed = True
+    if args.min_neighbour_ratio is not None and report.get("neighbour_throughput_ratio", 0) < args.min_neighbour_ratio:
         failed = True
     return 1 if failed else 0
 

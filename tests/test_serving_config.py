@@ -32,3 +32,10 @@ def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_
     refused.append(("--file-size-limit", "0"))
     for option, value in refused:
         assert main(["serve", "no-such-model", option, value]) == 2
+
+
+@pytest.mark.parametrize(("cores", "threads", "expected"), [(2, None, 1), (1, None, 1), (16, None, 15), (2, 2, 2)])
+def test_the_default_threads_leave_one_core_of_those_the_process_may_use(monkeypatch, cores, threads, expected):
+    # The core left over answers HTTP and keeps a neighbour process from stalling the model (docs/serving.md).
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert ServingConfig(threads=threads).cpu_threads() == expected

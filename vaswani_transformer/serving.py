@@ -292,8 +292,8 @@ def serve(
             is batched on its own (`MicroBatcher`).
         config: where to listen, how to batch (`MicroBatcher`), what one request may ask for
             (`Limits`), keys, request limits and the languages to detect; default `ServingConfig()`.
-            `config.threads` sets the CPU threads of one `generate()` (`torch.set_num_threads`; CTranslate2's
-            `intra_threads`); default: torch's, one per core. Fewer leave cores to the HTTP side and to other
+            `config.cpu_threads()` sets the CPU threads of one `generate()` (`torch.set_num_threads`; CTranslate2's
+            `intra_threads`): `--threads`, or one per core less one, leaving a core to the HTTP side and to other
             processes, whose competition slows a parallel region that waits for every one of its threads.
         inference: the engine, its decoding and device (`inference.load_engine`), the sentences of one batch
             (`MicroBatcher`), sentence splitting and what a sentence over the model's limit gets (`Limits`); default
@@ -311,7 +311,7 @@ def serve(
     keys = load_api_keys(config.api_keys) if config.api_keys else None
     languages = [code for source, target, _ in pairs for code in (source, target)]
     detector = LanguageDetector([*languages, *config.detect_language])
-    host, port, threads = config.host, config.port, config.threads
+    host, port, threads = config.host, config.port, config.cpu_threads()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     served: list[ServedModel] = []
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -322,10 +322,9 @@ def serve(
             host_error = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
             advice = "check --host" if host_error else "choose another --port"
             raise OSError(f"cannot listen on {host}:{port}: {error.strerror}; {advice}") from error
-        if threads is not None:
-            import torch
+        import torch
 
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
         metrics = ServingMetrics()
         try:
             for source, target, model in pairs:

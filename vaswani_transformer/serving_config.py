@@ -8,6 +8,7 @@ extra.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 from .options import option
@@ -36,7 +37,9 @@ class ServingConfig:
     host: str = option("127.0.0.1", help="address to listen on", group="server")
     port: int = option(5000, help="TCP port; 0 lets the system choose", group="server")
     threads: int | None = option(
-        None, help="CPU threads of one generate() call (default: torch's, one per core)", group="server"
+        None,
+        help="CPU threads of one generate() call (default: one per core this process may use, less one)",
+        group="server",
     )
     access_log: bool = option(
         True,
@@ -101,3 +104,15 @@ class ServingConfig:
             raise ValueError(f"--request-timeout must be finite seconds above 0, got {self.request_timeout}.")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}.")
+
+    def cpu_threads(self) -> int:
+        """The CPU threads of one `generate()`: `threads`, or one per core this process may use less one, at least one.
+
+        The core left over answers HTTP and lets another process run beside the server: a parallel region waits for
+        its last thread, so a thread that another process pushes off its core stalls every operator of the model
+        (docs/serving.md, "Threads").
+        """
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores - 1)
