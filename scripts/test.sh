@@ -5,37 +5,45 @@
 # second environment, .venv-oldest. Exits non-zero on failure. Arguments, if any, replace both runs' selections.
 # PyTorch is pinned first, by pip, which reads the machine's pip configuration: its CPU build lies on the project's
 # machines, and an unpinned `torch` requirement with no torch installed would pull a multi-GB CUDA build.
-# uv installs the rest, resolving as pip does, in a fraction of pip's time; pytest-xdist runs the tests on every core.
+# uv installs the rest, resolving as pip does, in a fraction of pip's time. The two ends install side by side and
+# test side by side, pytest-xdist's workers on every core: each waits on its own processes and files at times, and
+# the other fills the cores meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(python -c 'import sys; print(sys.executable)')
+oldest=$PWD/.venv-oldest  # absolute: tests run the other end's Python from their own directories
+logs=$(mktemp -d)
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0 "uv>=0.5"
 install() {  # install PYTHON [uv pip install arguments]: the project and its test dependencies
     python -m uv pip install --quiet --compile-bytecode --python "$@" -e ".[dev]"
 }
-install "$python"
-# Debian's Chromium for the serving page's test in a real browser (Playwright drives it; no browser download).
-if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
-        || echo "could not install chromium: the browser test of tests/test_serving.py will be skipped" >&2
-fi
 
 # The oldest end: every lower bound of pyproject.toml's dependencies, installed exactly.
-oldest=$PWD/.venv-oldest  # absolute: tests run the other end's Python from their own directories
-python -m venv "$oldest"
-python - >"$oldest/constraints.txt" <<'PYTHON'
+(
+    python -m venv "$oldest"
+    python - >"$oldest/constraints.txt" <<'PYTHON'
 import re, tomllib
 with open("pyproject.toml", "rb") as project:
     for requirement in tomllib.load(project)["project"]["dependencies"]:
         if bound := re.match(r"([\w.-]+)\s*>=\s*([\w.]+)", requirement):
             print(f"{bound[1]}=={bound[2]}")
 PYTHON
-"$oldest/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
-install "$oldest/bin/python" --constraint "$oldest/constraints.txt"
+    "$oldest/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
+    install "$oldest/bin/python" --constraint "$oldest/constraints.txt"
+) >"$logs/oldest-install.log" 2>&1 &
+oldest_install=$!
+install "$python"
+# Debian's Chromium for the serving page's test in a real browser (Playwright drives it; no browser download).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
+        || echo "could not install chromium: the browser test of tests/test_serving.py will be skipped" >&2
+fi
+if ! wait "$oldest_install"; then
+    cat "$logs/oldest-install.log" >&2
+    echo "could not install the oldest end's environment, $oldest" >&2
+    exit 1
+fi
 
-echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"
-VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q -n auto --durations=15 "$@"
-echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
 selection=("$@")
 [ $# -gt 0 ] || selection=(
     tests/test_configuration_vaswani.py tests/test_layers_vaswani.py tests/test_modeling_vaswani.py
@@ -43,5 +51,15 @@ selection=("$@")
     tests/test_cache_vaswani.py tests/test_pipeline_vaswani.py tests/test_compat_vaswani.py tests/test_finetune.py
     tests/test_hub.py
 )
-# Without VASWANI_OTHER_END_PYTHON: the first run already saved under each end and loaded under the other.
-"$oldest/bin/python" -m pytest -q -n auto --durations=15 "${selection[@]}"
+# The oldest end's run, one worker, beside the newest's; its report follows the newest's. Without
+# VASWANI_OTHER_END_PYTHON: the newest run saves under each end and loads under the other.
+"$oldest/bin/python" -m pytest -q -n 1 --durations=15 "${selection[@]}" >"$logs/oldest.log" 2>&1 &
+oldest_tests=$!
+echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"
+newest_status=0
+VASWANI_OTHER_END_PYTHON="$oldest/bin/python" python -m pytest -q -n auto --durations=15 "$@" || newest_status=$?
+oldest_status=0
+wait "$oldest_tests" || oldest_status=$?
+echo "== the oldest releases: $("$oldest/bin/python" -c 'import transformers; print("transformers", transformers.__version__)')"
+cat "$logs/oldest.log"
+[ "$newest_status" -eq 0 ] && [ "$oldest_status" -eq 0 ]

@@ -1,5 +1,6 @@
 """Shared fixtures: the Multi30k corpus from ../shared, a tokenizer trained on it, and one small trained model."""
 
+import atexit
 import importlib.util
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,12 @@ import torch
 # weight gradients: tests that compare runs to the bit must not depend on how two processes measured them
 # (kernels_vaswani.onednn_min_product).
 os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
-# Under pytest-xdist (scripts/test.sh runs two workers on a 2-core machine) each worker, and each process it starts,
+# Remote code goes to a modules cache of each pytest process's own (its subprocesses inherit it), not the user's:
+# models saved into directories of one name by concurrent runs (both ends of scripts/test.sh, the xdist workers)
+# would write one module at once.
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
+atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+# Under pytest-xdist (scripts/test.sh runs a worker per core) each worker, and each process it starts,
 # computes on one thread: an OpenMP region of two threads waits on a core the other worker holds, and spins.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
