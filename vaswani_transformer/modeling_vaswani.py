@@ -324,10 +324,13 @@ class Embeddings(nn.Module):
                 f"max_length={self.max_positions})) or use sinusoidal positions."
             )
         embeddings = self.embed_tokens(input_ids) * self.scale
-        positions = torch.arange(past_length, end, device=input_ids.device)
-        if attention_mask is not None and not bool(attention_mask[:, 0].all()):  # a sentence padded on the left
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        embeddings = embeddings + self.positional_encoding(positions).to(embeddings.dtype)
+        encoding = self.positional_encoding(torch.arange(past_length, end, device=input_ids.device))
+        if attention_mask is not None:  # the encoder's, whose positions start at 0
+            # A sentence padded on the left counts its positions from its first token: chosen row by row, with no
+            # branch on the data, which would cut torch.compile's graph (and wait for a GPU) at every call.
+            counted = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            encoding = torch.where(attention_mask[:, :1, None] == 0, encoding[counted], encoding)
+        embeddings = embeddings + encoding.to(embeddings.dtype)
         return residual_dropout(embeddings, self.dropout, self.training)
 
 
