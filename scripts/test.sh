@@ -53,6 +53,8 @@ selection=("$@")
 )
 # The oldest end's run, one worker, beside the newest's; its report follows the newest's. Without
 # VASWANI_OTHER_END_PYTHON: the newest run saves under each end and loads under the other.
+# Both ends test the small model of tests/conftest.py trained once, by whichever asks first, in $logs.
+export VASWANI_TEST_SHARED_DIR=$logs
 "$oldest/bin/python" -m pytest -q -n 1 --durations=15 "${selection[@]}" >"$logs/oldest.log" 2>&1 &
 oldest_tests=$!
 echo "== the newest releases: $(python -c 'import transformers; print("transformers", transformers.__version__)')"

@@ -116,7 +116,8 @@ def seq2seq_batch(tokenizer, sources, targets):
 def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
     """A small model trained for 150 steps on Multi30k through the command line, saved with its tokenizer.
 
-    Trained once per run: under pytest-xdist the first worker to ask trains it, and the others wait for it.
+    Trained once per run: under pytest-xdist the first worker to ask trains it, and the others wait for it; with
+    $VASWANI_TEST_SHARED_DIR (scripts/test.sh sets it for both ends), once for the runs that share that directory.
     """
     from filelock import FileLock
 
@@ -124,6 +125,7 @@ def trained_model_dir(tmp_path_factory, multi30k_dir) -> Path:
 
     # The run's directory holds every worker's own; without xdist the session's directory is the run's.
     shared = tmp_path_factory.getbasetemp().parent if XDIST_WORKER else tmp_path_factory.getbasetemp()
+    shared = Path(os.environ.get("VASWANI_TEST_SHARED_DIR", shared))
     output_dir, done = shared / "trained", shared / "trained.done"
     with FileLock(shared / "trained.lock"):
         if not done.exists():
