@@ -2,6 +2,7 @@
 
 import atexit
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -50,8 +51,13 @@ MINI_MODEL, make_corpus = fault_campaign.MINI_MODEL, fault_campaign.make_corpus
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A run ends with its longest test: the heavy ones go first, and pytest-xdist's first round hands them out in
     # turn, so that no worker starts one when the others are done. They take session fixtures only: moving a test
-    # out of its module would set that module's fixtures up twice.
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    # out of its module would set that module's fixtures up twice. Those that need the trained model alternate with
+    # those that do not, so that one worker trains it while the other computes instead of waiting for it.
+    heavy = [item for item in items if item.get_closest_marker("heavy")]
+    needs = [item for item in heavy if "trained_model_dir" in item.fixturenames]
+    free = [item for item in heavy if "trained_model_dir" not in item.fixturenames]
+    alternated = [item for pair in itertools.zip_longest(free, needs) for item in pair if item is not None]
+    items[:] = alternated + [item for item in items if not item.get_closest_marker("heavy")]
 
 
 def _multi30k_candidates() -> list[Path]:
