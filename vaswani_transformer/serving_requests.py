@@ -15,6 +15,8 @@ from urllib.parse import parse_qsl
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
+from .text_format import TEXT_FORMATS
+
 
 class RequestError(ValueError):
     """A request the server refuses: HTTP `status` (400; 413, 503) with the body `{"error": message}` and `headers`.
@@ -121,7 +123,7 @@ def parse_translate_request(
     source, target = parse_languages(fields, pairs)
     auto = source == "auto"
     text_format = fields.get("format") or "text"
-    if text_format not in ("text", "html"):
+    if text_format not in TEXT_FORMATS:
         raise RequestError(f"Invalid request: format must be 'text' or 'html', got {text_format!r}")
     alternatives = fields.get("alternatives")
     if alternatives is None or alternatives == "":

@@ -12,6 +12,8 @@ from pathlib import PurePath
 
 from .segmentation import split_sentences
 
+# LibreTranslate's `format`s: plain text, and HTML whose text nodes are translated.
+TEXT_FORMATS = ("text", "html")
 # The files translated whole, by suffix (lowercase), and the format of their text: LibreTranslate's .txt and .html
 # (`supportedFilesFormat`), and .htm, the same format under its older name.
 FILE_FORMATS = {".txt": "text", ".html": "html", ".htm": "html"}

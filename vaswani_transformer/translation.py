@@ -24,7 +24,7 @@ from .generation_vaswani import check_num_beams
 from .inference import Engine, TorchEngine
 from .inference_config import BATCH_SIZE, LONG_INPUTS, SPLIT_SENTENCES
 from .segmentation import Pieces, fit_to_limit
-from .text_format import split_text
+from .text_format import TEXT_FORMATS, split_text
 from .tokenization import tokenizer_lock
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
@@ -198,7 +198,7 @@ class _Translator:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
         if long_inputs not in LONG_INPUTS:
             raise ValueError(f"long_inputs must be one of {', '.join(LONG_INPUTS)}, got {long_inputs!r}.")
-        if text_format not in ("text", "html"):
+        if text_format not in TEXT_FORMATS:
             raise ValueError(f"text_format must be 'text' or 'html', got {text_format!r}.")
         self.engine, self.batch_size, self.long_inputs = engine, batch_size, long_inputs
         self.text_format = text_format
