@@ -15,17 +15,22 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
 
     from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
     from vaswani_transformer.convert import to_marian
-    from vaswani_transformer.data import TokenBatchSampler, load_parallel_corpus, text_batches, tokenize_corpus
+    from vaswani_transformer.corpus_preparation import prepare_corpus
+    from vaswani_transformer.data import TokenBatchSampler, corpus_fingerprint, load_parallel_corpus
     from vaswani_transformer.export import export_ctranslate2
-    from vaswani_transformer.tokenization import train_tokenizer
     from vaswani_transformer.training_config import TrainingConfig
 
+    # The tokenizer and token ids as `train` prepares them, with its default max_length; the test set as text.
+    config = TrainingConfig(
+        data=str(args.data_dir), source_lang="en", target_lang="de", output_dir=str(workdir), max_steps=1,
+        vocab_size=args.vocab_size, data_cache_dir=str(workdir / "data"),
+    )  # fmt: skip
+    prepared = prepare_corpus(config, None, corpus_fingerprint(config.data, "en", "de"))
+    tokenizer = prepared.tokenizer
     corpus = load_parallel_corpus(args.data_dir, "en", "de")
-    tokenizer = train_tokenizer(text_batches(corpus, ["en", "de"]), vocab_size=args.vocab_size)
 
     # Training batches: the first sentence pairs of the training set, batched as `train` batches them.
-    max_length = TrainingConfig.max_length  # as `train` keeps them
-    train = tokenize_corpus(corpus, tokenizer, "en", "de", max_length)["train"].select(range(args.train_sentences))
+    train = prepared.train.select(range(args.train_sentences))
     sampler = TokenBatchSampler(train["source_length"], train["target_length"], args.max_tokens, seed=0)
     batches = []
     for indices in list(sampler)[: args.train_warmup + args.train_steps]:

@@ -163,8 +163,8 @@ def environment(args: argparse.Namespace) -> dict:
 def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[list, dict]:
     """`count` training batches as `train`'s DataLoader yields them (BatchEncoding of CPU tensors), and their source.
 
-    Multi30k through the project's tokenizer, `tokenize_corpus` and `TokenBatchSampler` (seed 1, `train`'s
-    default), or synthetic ids cut by the same sampler from lengths drawn like Multi30k's.
+    Multi30k prepared as `train` prepares it (`corpus_preparation.prepare_corpus`) and `TokenBatchSampler` (seed 1,
+    `train`'s default), or synthetic ids cut by the same sampler from lengths drawn like Multi30k's.
     """
     import numpy as np
     import torch
@@ -198,18 +198,20 @@ def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[
 
         source = {"data": "synthetic", "why": reason, "vocab_size": args.vocab_size, "pad_token_id": pad}
     else:
+        import tempfile
+
         from transformers import DataCollatorForSeq2Seq
 
-        from vaswani_transformer.data import load_parallel_corpus, text_batches, tokenize_corpus
-        from vaswani_transformer.tokenization import train_tokenizer
+        from vaswani_transformer.corpus_preparation import prepare_corpus
+        from vaswani_transformer.data import corpus_fingerprint
+        from vaswani_transformer.training_config import TrainingConfig
 
-        corpus = load_parallel_corpus(str(args.data_dir), "en", "de")
-        tokenizer = train_tokenizer(
-            text_batches(corpus, ["en", "de"]), vocab_size=args.vocab_size, model_max_length=256
-        )
-        train = tokenize_corpus(corpus, tokenizer, "en", "de", 256)["train"].select_columns(
-            ["input_ids", "labels", "source_length", "target_length"]
-        )
+        config = TrainingConfig(
+            data=str(args.data_dir), source_lang="en", target_lang="de", output_dir="", max_steps=1,
+            vocab_size=args.vocab_size, max_length=256, data_cache_dir=tempfile.mkdtemp(prefix="profile-data-"),
+        )  # fmt: skip
+        prepared = prepare_corpus(config, None, corpus_fingerprint(config.data, "en", "de"))
+        tokenizer, train = prepared.tokenizer, prepared.train
         source_lengths, target_lengths = lengths_of(train)
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
         table = train.select_columns(["input_ids", "labels"])

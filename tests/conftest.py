@@ -24,6 +24,10 @@ os.environ.setdefault("VASWANI_ONEDNN_MIN_PRODUCT", str(2**21))
 # would write one module at once.
 os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
 atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+# So do prepared corpora and the datasets they come from (corpus_preparation): not the user's cache, and shared by
+# the tests of one process and the `train` commands they start.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 # Under pytest-xdist (scripts/test.sh runs a worker per core) each worker, and each process it starts,
 # computes on one thread: an OpenMP region of two threads waits on a core the other worker holds, and spins.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
@@ -33,7 +37,8 @@ if XDIST_WORKER:
 
 import vaswani_transformer  # noqa: E402, F401  (registers the Auto classes)
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
-from vaswani_transformer.data import load_parallel_corpus, text_batches  # noqa: E402
+from vaswani_transformer.corpus_preparation import prepare_corpus  # noqa: E402
+from vaswani_transformer.data import corpus_fingerprint, load_parallel_corpus, text_batches  # noqa: E402
 from vaswani_transformer.inference import Engine  # noqa: E402
 from vaswani_transformer.tokenization import train_tokenizer  # noqa: E402
 from vaswani_transformer.training import TrainingConfig  # noqa: E402
@@ -92,7 +97,14 @@ def corpus(multi30k_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(corpus):
-    return train_tokenizer(text_batches(corpus, ["en", "de"]), vocab_size=2000)
+    return train_tokenizer(text_batches(corpus["train"], ["en", "de"]), vocab_size=2000)
+
+
+@pytest.fixture(scope="session")
+def prepared(multi30k_dir, tokenizer):
+    """Multi30k prepared with the `tokenizer` fixture as `train` prepares it, keeping its default max_length."""
+    config = TrainingConfig(data=str(multi30k_dir), source_lang="en", target_lang="de", output_dir="", max_steps=1)
+    return prepare_corpus(config, tokenizer, corpus_fingerprint(multi30k_dir, "en", "de"))
 
 
 @pytest.fixture(scope="session")

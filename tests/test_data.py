@@ -1,20 +1,11 @@
 """Reading parallel corpora and batching them by tokens (§5.1)."""
 
 import json
-import logging
 
 import numpy as np
 import pytest
 
-from vaswani_transformer.data import (
-    TokenBatchSampler,
-    lengths_of,
-    load_parallel_corpus,
-    tokenize_corpus,
-)
-from vaswani_transformer.training_config import TrainingConfig
-
-MAX_LENGTH = TrainingConfig.max_length  # the length `train` keeps by default
+from vaswani_transformer.data import TokenBatchSampler, lengths_of, load_parallel_corpus
 
 
 def test_multi30k_directory_loads_every_split_aligned(corpus, multi30k_dir):
@@ -44,9 +35,8 @@ def test_missing_training_split_and_missing_files(tmp_path):
         load_parallel_corpus("", "en", "de", files={"train": (tmp_path / "x.en", tmp_path / "x.de")})
 
 
-def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_lengths(corpus, tokenizer):
-    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)
-    source_lengths, target_lengths = lengths_of(tokenized["train"])
+def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_lengths(prepared):
+    source_lengths, target_lengths = lengths_of(prepared.train)
     sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=3)
     batches = list(sampler)
     longest = np.maximum(source_lengths, target_lengths)
@@ -59,10 +49,10 @@ def test_token_batches_respect_the_budget_cover_every_pair_and_group_similar_len
     assert list(sampler) != batches, "each epoch draws a new order"
 
 
-def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_budget(corpus, tokenizer):
+def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_budget(prepared, tokenizer):
     from transformers import DataCollatorForSeq2Seq
 
-    train = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"].select(range(3000))
+    train = prepared.train.select(range(3000))
     sampler = TokenBatchSampler(*lengths_of(train), max_tokens=512, seed=0, pad_to_multiple_of=8)
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=8, return_tensors="pt")
     pairs = train.select_columns(["input_ids", "labels"])
@@ -72,8 +62,8 @@ def test_token_batches_padded_to_a_multiple_as_the_collator_pads_them_keep_the_b
 
 
 @pytest.mark.parametrize("max_tokens", [2048, 4096])
-def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, tokenizer, max_tokens):
-    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"])
+def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(prepared, max_tokens):
+    source_lengths, target_lengths = lengths_of(prepared.train)
     sampler = TokenBatchSampler(source_lengths, target_lengths, max_tokens=max_tokens, seed=1)
     batches = [np.array(b) for b in sampler]
     real = sum(int(source_lengths[b].sum() + target_lengths[b].sum()) for b in batches)
@@ -81,8 +71,8 @@ def test_token_batches_of_multi30k_are_at_least_95_percent_real_tokens(corpus, t
     assert real / padded == pytest.approx(sampler.padding_efficiency()) and real / padded >= 0.95
 
 
-def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(corpus, tokenizer):
-    source_lengths, target_lengths = lengths_of(tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["train"])
+def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(prepared):
+    source_lengths, target_lengths = lengths_of(prepared.train)
     whole = list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5))
     shards = [
         list(TokenBatchSampler(source_lengths, target_lengths, max_tokens=1024, seed=5, num_shards=3, shard_index=i))
@@ -96,9 +86,8 @@ def test_data_parallel_shards_split_the_batches_evenly_and_resume_at_a_position(
     assert list(resumed) == shards[1][7:]
 
 
-def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(corpus, tokenizer):
-    validation = tokenize_corpus(corpus, tokenizer, "en", "de", MAX_LENGTH)["validation"]
-    source_lengths, target_lengths = lengths_of(validation)
+def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(prepared):
+    source_lengths, target_lengths = lengths_of(prepared.validation)
     for processes in (2, 3, 8):
         shards = [
             list(
@@ -115,21 +104,6 @@ def test_evaluation_shards_score_every_validation_pair_once_in_as_many_batches(c
             assert len(batch) * max(source_lengths[batch].max(), target_lengths[batch].max()) <= 2048
 
 
-def test_training_pairs_that_are_too_long_or_empty_are_dropped_and_counted(tmp_path, tokenizer, caplog):
-    source, target = tmp_path / "t.en", tmp_path / "t.de"
-    source.write_text("A dog.\n\n" + "word " * 100 + "\nA cat.\n", encoding="utf-8")
-    target.write_text("Ein Hund.\nLeer\nWort\nEine Katze.\n", encoding="utf-8")
-    corpus = load_parallel_corpus("", "en", "de", files={"train": (source, target)})
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
-        tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=50)
-    assert tokenized["train"]["de"] == ["Ein Hund.", "Eine Katze."]
-    # Said once, with how many and what share of the training pairs.
-    assert [r.getMessage() for r in caplog.records] == [
-        "Left out 2 of the 4 training pairs: 1 (25.0%) longer than max_length (50 tokens) on a side, "
-        "1 (25.0%) with an empty side."
-    ]
-
-
 def test_a_dataset_with_a_translation_column_is_flattened_to_one_column_per_language(tmp_path):
     # The layout of WMT14 and OPUS on the Hub, read by `datasets.load_dataset` from a local folder.
     rows = [{"translation": {"de": "Ein Hund.", "en": "A dog."}}, {"translation": {"de": "Katze", "en": "Cat"}}]
@@ -140,15 +114,6 @@ def test_a_dataset_with_a_translation_column_is_flattened_to_one_column_per_lang
     assert splits["validation"].num_rows == 1
     with pytest.raises(ValueError, match="no column for fr"):
         load_parallel_corpus(tmp_path, "en", "fr")
-
-
-def test_other_splits_are_cut_to_max_length_with_their_end_of_sentence(corpus, tokenizer):
-    tokenized = tokenize_corpus(corpus, tokenizer, "en", "de", max_length=16)
-    for name in ("train", "validation", "test_2016_flickr"):
-        split = tokenized[name]
-        assert max(max(split["source_length"]), max(split["target_length"])) == 16, name
-        assert all(ids[-1] == tokenizer.eos_token_id for ids in [*split["input_ids"], *split["labels"]]), name
-    assert len(tokenized["validation"]) == len(corpus["validation"]), "only training pairs are dropped"
 
 
 def test_a_directory_with_two_validation_sets_is_refused_not_one_kept_silently(tmp_path):

@@ -18,7 +18,8 @@ def test_two_processes_keep_identical_parameters_and_follow_the_single_process_l
     settings = dict(model_overrides={**mini_run(mini_corpus, "-").model_overrides, "dropout": 0.0}, max_steps=8)
     single = train(mini_run(mini_corpus, tmp_path / "single", update_freq=2, **settings))
 
-    parallel = mini_run(mini_corpus, tmp_path / "parallel", **settings)
+    # A data cache of its own: the processes find no prepared corpus, and one of them prepares it for both.
+    parallel = mini_run(mini_corpus, tmp_path / "parallel", data_cache_dir=str(tmp_path / "cache"), **settings)
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
@@ -26,6 +27,7 @@ def test_two_processes_keep_identical_parameters_and_follow_the_single_process_l
     ]  # fmt: skip
     result = subprocess.run([*launch, *cli_arguments(parallel)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stderr.count("Tokenizing train:   0%") == 1, "one process prepares the corpus, the other opens it"
 
     single_log, parallel_log = read_log(single), read_log(tmp_path / "parallel")
     assert [r["step"] for r in parallel_log] == list(range(1, 9))

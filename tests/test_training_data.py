@@ -4,10 +4,10 @@ from vaswani_transformer.training_config import TrainingConfig
 
 
 def test_a_given_tokenizer_takes_the_runs_max_length(tokenizer, tmp_path):
-    from vaswani_transformer.training_data import prepare_tokenizer
+    from vaswani_transformer.training_data import run_tokenizer
 
     tokenizer.save_pretrained(tmp_path)  # saved with its own model_max_length
     max_length = tokenizer.model_max_length + 64
     config = TrainingConfig(data="unused", source_lang="en", target_lang="de", output_dir=str(tmp_path / "run"),
                             tokenizer=str(tmp_path), max_length=max_length, max_steps=1)  # fmt: skip
-    assert prepare_tokenizer(config, None, resuming=False).model_max_length == max_length, "translation truncates"
+    assert run_tokenizer(config, resuming=False).model_max_length == max_length, "translation truncates"

@@ -257,7 +257,8 @@ def _train(args: argparse.Namespace) -> None:
     options["model_overrides"] = dict(options["model_overrides"])
     config = TrainingConfig(data="", files=files, **options)  # the options' checks first, before the corpus's
     config.data = corpus_location(args.data_dir, args.dataset)
-    ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
+    if not config.prepare_only:  # which writes nothing there
+        ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
 
 

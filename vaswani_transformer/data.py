@@ -7,17 +7,17 @@ integer arrays of lengths.
 """
 
 import codecs
+import itertools
 import logging
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import datasets
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from .files import sha256_file
 
@@ -29,44 +29,94 @@ DATASET_SUFFIXES = {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
 VALIDATION_STEMS = ("validation", "valid", "val", "dev")
 
 
-def _find_split_files(data_dir: Path, source_lang: str, target_lang: str) -> dict[str, tuple[Path, Path]]:
+def _find_split_files(data_dir: Path, source_lang: str, target_lang: str) -> dict[str, "AlignedFiles"]:
     """Map split names to (source file, target file) for `<stem>.<lang>` files in a directory."""
-    splits: dict[str, tuple[Path, Path]] = {}
+    splits: dict[str, AlignedFiles] = {}
     for source_file in sorted(data_dir.glob(f"*.{source_lang}")):
         stem = source_file.name[: -len(source_lang) - 1]
         target_file = data_dir / f"{stem}.{target_lang}"
         if not target_file.is_file():
             continue
+        files = AlignedFiles(source_file, target_file)
         if stem == "train":
-            splits["train"] = (source_file, target_file)
+            splits["train"] = files
         elif stem in VALIDATION_STEMS:
             if "validation" in splits:
                 raise ValueError(
                     f"{data_dir} holds two validation sets, {splits['validation'][0].name} and {source_file.name}: "
                     "keep one of them in the directory."
                 )
-            splits["validation"] = (source_file, target_file)
+            splits["validation"] = files
         elif stem.startswith("test"):
-            splits[stem] = (source_file, target_file)
+            splits[stem] = files
     return splits
 
 
-def _read_aligned_files(source_file: Path, target_file: Path, source_lang: str, target_lang: str) -> datasets.Dataset:
-    """One Arrow table with a column per language from two line-aligned text files."""
-    for path in (source_file, target_file):
-        if not path.is_file():
-            raise FileNotFoundError(f"Parallel corpus file {path} does not exist; check the path and language codes.")
-        if path.stat().st_size == 0:
-            raise ValueError(f"Parallel corpus file {path} is empty; it needs one sentence per line.")
+class AlignedFiles(NamedTuple):
+    """Two line-aligned UTF-8 text files of a parallel corpus, read as streams (§5.1).
+
+    Attributes:
+        source, target: the files, one sentence per line (lines as `iter_lines` reads them).
+    """
+
+    source: Path
+    target: Path
+
+    def count_pairs(self) -> int:
+        """The number of sentence pairs, counted without decoding (as `wc -l`, plus an unterminated last line).
+
+        Raises:
+            FileNotFoundError: a file does not exist.
+            ValueError: a file is empty, or the two differ in line count (both files and counts are named).
+        """
+        counts = []
+        for path in self:
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"Parallel corpus file {path} does not exist; check the path and language codes."
+                )
+            if path.stat().st_size == 0:
+                raise ValueError(f"Parallel corpus file {path} is empty; it needs one sentence per line.")
+            counts.append(count_lines(path))
+        if counts[0] != counts[1]:
+            raise ValueError(
+                f"Parallel files must have one sentence per line, aligned by line, but {self.source} has "
+                f"{counts[0]} lines and {self.target} has {counts[1]}."
+            )
+        return counts[0]
+
+    def lines(self, side: int, every: int = 1) -> Iterator[str]:
+        """The sentences of one side (0: source, 1: target), or every `every`-th of them from the first.
+
+        Raises:
+            ValueError: a line that is not valid UTF-8 (file and line named), when it is reached.
+        """
+        return itertools.islice(iter_lines(self[side]), 0, None, every)
+
+    def batches(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
+        """(sources, targets) of `size` pairs at a time, in file order; one batch is in memory at a time."""
+        pairs = zip(self.lines(0), self.lines(1), strict=True)
+        while batch := list(itertools.islice(pairs, size)):
+            sources, targets = zip(*batch, strict=True)
+            yield list(sources), list(targets)
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file as `iter_lines` reads them: line feeds, plus one for a last line without one."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
+
+
+def _read_aligned_files(files: AlignedFiles, source_lang: str, target_lang: str) -> datasets.Dataset:
+    """One in-memory Arrow table with a column per language from two line-aligned text files."""
+    files.count_pairs()
     # Read as `wc -l` counts lines (ending at a line feed only), not as `datasets`' text loader, which
     # also ends them at a lone carriage return and would misalign the two files.
-    columns = {lang: list(iter_lines(path)) for path, lang in ((source_file, source_lang), (target_file, target_lang))}
-    if len(columns[source_lang]) != len(columns[target_lang]):
-        raise ValueError(
-            f"Parallel files must have one sentence per line, aligned by line, but {source_file} has "
-            f"{len(columns[source_lang])} lines and {target_file} has {len(columns[target_lang])}."
-        )
-    return datasets.Dataset.from_dict(columns)
+    return datasets.Dataset.from_dict({source_lang: list(files.lines(0)), target_lang: list(files.lines(1))})
 
 
 def iter_lines(source: str | os.PathLike | BinaryIO, name: str | None = None) -> Iterator[str]:
@@ -146,14 +196,14 @@ def corpus_location(data_dir: str | None, dataset: str | None) -> str:
     return data_dir or dataset or ""
 
 
-def load_parallel_corpus(
+def corpus_splits(
     data: str | os.PathLike,
     source_lang: str,
     target_lang: str,
     dataset_config: str | None = None,
     files: dict[str, tuple[str, str]] | None = None,
-) -> datasets.DatasetDict:
-    """Load a parallel corpus as a `DatasetDict` with one string column per language.
+) -> dict[str, AlignedFiles | datasets.Dataset]:
+    """Find the splits of a parallel corpus without reading its text files: `AlignedFiles`, or `datasets` tables.
 
     See docs/robustness.md, "Bad input".
 
@@ -168,21 +218,18 @@ def load_parallel_corpus(
         files: explicit `{split: (source_file, target_file)}`, added to or replacing those found in `data`.
 
     Returns:
-        `DatasetDict` with splits "train", "validation" and any test splits, each with columns
-        `source_lang` and `target_lang`.
+        `{split: AlignedFiles or Dataset}` with "train", perhaps "validation" and test splits; a `Dataset` (in
+        `datasets`' memory-mapped files) has the columns `source_lang` and `target_lang`.
 
     Raises:
-        FileNotFoundError: a named file or directory does not exist.
-        ValueError: `data` is a file (a directory or dataset is needed), a directory holds two
-            validation sets (`val.*` and `dev.*`), a file is empty, is not valid UTF-8 (the file and line
-            are named), two aligned files differ in line count (both files and counts are named), or the
-            dataset has no training split or no column for a language.
+        FileNotFoundError: `data` does not exist (and is no Hub dataset id).
+        ValueError: `data` is a file (a directory or dataset is needed), a directory holds two validation sets
+            (`val.*` and `dev.*`), or the dataset has no training split or no column for a language.
     """
-    splits: dict[str, datasets.Dataset] = {}
+    splits: dict[str, AlignedFiles | datasets.Dataset] = {}
     path = Path(data) if data else None
     text_files = _find_split_files(path, source_lang, target_lang) if path and path.is_dir() else {}
-    for split, (source_file, target_file) in text_files.items():
-        splits[split] = _read_aligned_files(source_file, target_file, source_lang, target_lang)
+    splits.update(text_files)
     if path is not None and not text_files:
         if path.is_dir():
             if any(p.suffix in DATASET_SUFFIXES for p in path.rglob("*")):
@@ -194,13 +241,46 @@ def load_parallel_corpus(
         else:
             raise FileNotFoundError(f"{data} does not exist (expected a corpus directory or a Hub dataset id).")
     for split, (source_file, target_file) in (files or {}).items():
-        splits[split] = _read_aligned_files(Path(source_file), Path(target_file), source_lang, target_lang)
+        splits[split] = AlignedFiles(Path(source_file), Path(target_file))
     if "train" not in splits:
         raise ValueError(
             f"No training split found in {data!r}: expected files train.{source_lang} and train.{target_lang}, "
             "a Hub dataset with a 'train' split, or explicit training files."
         )
-    return datasets.DatasetDict(splits)
+    return splits
+
+
+def load_parallel_corpus(
+    data: str | os.PathLike,
+    source_lang: str,
+    target_lang: str,
+    dataset_config: str | None = None,
+    files: dict[str, tuple[str, str]] | None = None,
+) -> datasets.DatasetDict:
+    """Load a parallel corpus as a `DatasetDict` with one string column per language, text files read into memory.
+
+    For corpora that fit in memory (fine-tuning, tests); `train` streams its corpus instead
+    (`corpus_preparation.prepare_corpus`). See docs/robustness.md, "Bad input".
+
+    Args:
+        data, source_lang, target_lang, dataset_config, files: as for `corpus_splits`.
+
+    Returns:
+        `DatasetDict` with splits "train", "validation" and any test splits, each with columns
+        `source_lang` and `target_lang`.
+
+    Raises:
+        FileNotFoundError: a named file or directory does not exist.
+        ValueError: as for `corpus_splits`; or a file is empty, is not valid UTF-8 (the file and line are
+            named), or two aligned files differ in line count (both files and counts are named).
+    """
+    splits = corpus_splits(data, source_lang, target_lang, dataset_config, files)
+    return datasets.DatasetDict(
+        {
+            name: _read_aligned_files(split, source_lang, target_lang) if isinstance(split, AlignedFiles) else split
+            for name, split in splits.items()
+        }
+    )
 
 
 def corpus_fingerprint(
@@ -267,74 +347,30 @@ def _load_dataset_corpus(
     return splits
 
 
-def text_batches(corpus: datasets.DatasetDict, languages: list[str], batch_size: int = 1000) -> Iterator[list[str]]:
-    """Batches of training sentences of each language in turn, for `train_tokenizer` (§5.1)."""
-    for lang in languages:
-        for batch in corpus["train"].select_columns([lang]).iter(batch_size=batch_size):
-            yield batch[lang]
-
-
-def tokenize_corpus(
-    corpus: datasets.DatasetDict,
-    tokenizer: PreTrainedTokenizerBase,
-    source_lang: str,
-    target_lang: str,
-    max_length: int,
-    num_proc: int | None = None,
-) -> datasets.DatasetDict:
-    """Tokenize every split with `datasets.map` (§5.1); drop training pairs that are empty or too long, with a count.
-
-    One warning says how many training pairs were left out, and what share, where any were.
+def text_batches(
+    split: AlignedFiles | datasets.Dataset, languages: list[str], every: int = 1, batch_size: int = 1000
+) -> Iterator[list[str]]:
+    """Batches of a split's sentences, one language after the other, for `train_tokenizer` (§5.1).
 
     Args:
-        corpus: from `load_parallel_corpus`.
-        tokenizer: the shared tokenizer.
-        max_length: longest sentence, in tokens with `</s>`, kept for training; longer ones in
-            other splits are truncated (`TrainingConfig.max_length`).
-        num_proc: worker processes for `map`.
+        split: text files (`AlignedFiles`, their sides in the order of `languages`) or a table with a column
+            per language.
+        languages: the source and target language codes.
+        every: take every `every`-th pair from the first (an even sample of a large corpus).
+        batch_size: sentences per batch.
 
     Returns:
-        The same splits with columns `input_ids`, `labels`, `source_length`, `target_length`
-        (token counts) beside the text columns.
+        An iterator over lists of sentences; one batch is in memory at a time.
     """
-
-    def encode(batch: dict[str, list[str]], limit: int) -> dict[str, list]:
-        encoded = tokenizer(batch[source_lang], text_target=batch[target_lang], truncation=True, max_length=limit)
-        return {
-            "input_ids": encoded["input_ids"],
-            "labels": encoded["labels"],
-            "source_length": [len(ids) for ids in encoded["input_ids"]],
-            "target_length": [len(ids) for ids in encoded["labels"]],
-        }
-
-    # Training pairs one token longer than max_length are found (and dropped, below); the rest are cut to it.
-    tokenized = datasets.DatasetDict(
-        {
-            name: split.map(
-                encode,
-                batched=True,
-                num_proc=num_proc,
-                fn_kwargs={"limit": max_length + 1 if name == "train" else max_length},
-                desc=f"Tokenizing {name}",
-            )
-            for name, split in corpus.items()
-        }
-    )
-    # A sentence of max_length + 1 tokens was truncated: drop such training pairs rather than learn
-    # from a cut-off translation; `</s>` alone (length 1) is an empty line.
-    source, target = lengths_of(tokenized["train"])
-    too_long = (source > max_length) | (target > max_length)
-    empty = ~too_long & ((source <= 1) | (target <= 1))
-    left_out = too_long | empty
-    if left_out.any():
-        share = lambda count: f"{count:,} ({100 * count / len(source):.1f}%)"  # noqa: E731
-        logger.warning(
-            "Left out %s of the %s training pairs: %s longer than max_length (%d tokens) on a side, %s with an "
-            "empty side.",
-            f"{left_out.sum():,}", f"{len(source):,}", share(too_long.sum()), max_length, share(empty.sum()),
-        )  # fmt: skip
-        tokenized["train"] = tokenized["train"].select(np.flatnonzero(~left_out))
-    return tokenized
+    for side, lang in enumerate(languages):
+        if isinstance(split, AlignedFiles):
+            lines = split.lines(side, every)
+            while batch := list(itertools.islice(lines, batch_size)):
+                yield batch
+        else:
+            sample = split.select(range(0, len(split), every)) if every > 1 else split
+            for batch in sample.select_columns([lang]).iter(batch_size=batch_size):
+                yield batch[lang]
 
 
 class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -458,6 +494,9 @@ class TokenBatchSampler(torch.utils.data.Sampler[list[int]]):
 
 
 def lengths_of(table: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """The `source_length` and `target_length` columns of a tokenized split as integer arrays (§5.1)."""
-    columns = table.select_columns(["source_length", "target_length"]).with_format("numpy")[:]
-    return columns["source_length"], columns["target_length"]
+    """The `source_length` and `target_length` columns of a prepared split as integer arrays of shape `(pairs,)` (§5.1).
+
+    Read through Arrow, not row by row: milliseconds for millions of pairs.
+    """
+    columns = table.select_columns(["source_length", "target_length"]).with_format("arrow")[:]
+    return columns.column("source_length").to_numpy(), columns.column("target_length").to_numpy()

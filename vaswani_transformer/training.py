@@ -27,13 +27,14 @@ from tqdm.auto import tqdm
 
 from . import checkpoints as ckpt
 from .configuration_vaswani import VaswaniConfig
-from .data import corpus_fingerprint, load_parallel_corpus, tokenize_corpus
+from .corpus_preparation import prepare_corpus
+from .data import corpus_fingerprint
 from .files import ensure_writable, read_log, room_for
 from .flops import peak_flops
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .training_checkpoints import RunCheckpoints, weight_bytes
 from .training_config import TrainingConfig
-from .training_data import micro_batches, prepare_tokenizer, run_batches
+from .training_data import micro_batches, run_batches, run_tokenizer
 from .training_devices import avoid_cudnn_attention, fastest_mixed_precision, resolve_mixed_precision, start_accelerator
 from .training_directory import check_output_dir, hold_output_dir, read_record
 from .training_finish import RunEnd
@@ -65,18 +66,19 @@ def train(config: TrainingConfig) -> Path:
     A checkpoint is written every `save_steps` steps, and once `save_minutes` minutes have passed since
     the last one (0 turns either clock off); with `resume`, a run continues from its newest checkpoint
     and ends with the parameters an uninterrupted run would have had (bitwise on CPU). The last
-    `average_last` checkpoints are averaged into the model (§6.1).
+    `average_last` checkpoints are averaged into the model (§6.1). With `prepare_only`, the corpus and
+    tokenizer are prepared into the data cache (`corpus_preparation.prepare_corpus`) and nothing is trained.
 
     Args:
         config: the run's settings.
 
     Returns:
-        The output directory, holding `config.json`, `model.safetensors`, `generation_config.json`,
-        the tokenizer files, `training_log.jsonl` (one JSON line per log or validation step, with
-        the minutes of training so far, and since the line before the target tokens per second, the
-        model TFLOP/s and, where the device's peak is known, the MFU: see `flops`),
-        `README.md` (model card), `learning_curve.png` and `checkpoints/` (the last
-        `keep_checkpoints` and the best one).
+        With `prepare_only`, the prepared corpus's directory. Else the output directory, holding `config.json`,
+        `model.safetensors`, `generation_config.json`, the tokenizer files, `training_log.jsonl` (one JSON line
+        per log or validation step, with the minutes of training so far, and since the line before the target
+        tokens per second, the model TFLOP/s and, where the device's peak is known, the MFU: see `flops`),
+        `README.md` (model card), `learning_curve.png` and `checkpoints/` (the last `keep_checkpoints` and the
+        best one).
 
     Raises:
         ValueError, FileNotFoundError: from loading the corpus, or invalid settings; the output directory
@@ -89,6 +91,9 @@ def train(config: TrainingConfig) -> Path:
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
+    if config.prepare_only:  # one machine prepares what others train on; no output directory is touched
+        files = corpus_fingerprint(config.data, config.source_lang, config.target_lang, config.files)
+        return prepare_corpus(config, run_tokenizer(config, resuming=False), files).directory
     run = TrainingRun(config)
     try:
         done = run.ended()
@@ -174,10 +179,8 @@ class TrainingRun(RunSteps, RunValidation, RunCheckpoints, RunEnd):
     def _load_data_and_model(self, resume_from: Path | None) -> VaswaniForConditionalGeneration:
         # The corpus, its tokenizer and batches, and a new model sized for the tokenizer.
         config, accelerator = self.config, self.accelerator
-        corpus = load_parallel_corpus(
-            config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
-        )
-        self.tokenizer = tokenizer = prepare_tokenizer(config, corpus, resuming=resume_from is not None)
+        corpus = prepare_corpus(config, run_tokenizer(config, resuming=resume_from is not None), self.corpus_files)
+        self.tokenizer = tokenizer = corpus.tokenizer
         model_config = VaswaniConfig.from_preset(
             config.preset,
             vocab_size=len(tokenizer),
@@ -197,8 +200,7 @@ class TrainingRun(RunSteps, RunValidation, RunCheckpoints, RunEnd):
                 record = {**asdict(config), "corpus_fingerprint": self.corpus_files}  # what a resume must find again
                 (self.output_dir / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
                 model_config.save_pretrained(self.output_dir)  # `average` builds the model from it, before the run ends
-        tokenized = tokenize_corpus(corpus, tokenizer, config.source_lang, config.target_lang, config.max_length)
-        self.train_batches, self.valid_batches = run_batches(corpus, tokenized, tokenizer, config, accelerator)
+        self.train_batches, self.valid_batches = run_batches(corpus, config, accelerator)
         if self.valid_batches is None:
             logger.warning(
                 "No validation split (val.%s / val.%s): no validation loss or BLEU, and no best checkpoint kept; "
@@ -207,8 +209,8 @@ class TrainingRun(RunSteps, RunValidation, RunCheckpoints, RunEnd):
                 config.target_lang,
             )
         else:
-            self.validation_sources = list(corpus["validation"][config.source_lang])
-            self.validation_references = list(corpus["validation"][config.target_lang])
+            self.validation_sources = list(corpus.validation[config.source_lang])
+            self.validation_references = list(corpus.validation[config.target_lang])
         return model
 
     def _prepare(self, model: VaswaniForConditionalGeneration) -> None:

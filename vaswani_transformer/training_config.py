@@ -55,6 +55,17 @@ class DataConfig:
     output_dir: str = option(help="where the model, tokenizer, log and checkpoints are written", group="output")
     dataset_config: str | None = option(None, help="configuration of --dataset, e.g. de-en", group="corpus")
     files: dict = field(default_factory=dict)
+    data_cache_dir: str | None = option(
+        None,
+        help="where prepared corpora and tokenizers are kept for later runs; none: "
+        "$HF_DATASETS_CACHE/vaswani_transformer",
+        group="corpus",
+    )
+    prepare_only: bool = option(
+        False,
+        help="prepare the corpus and tokenizer into the data cache, then stop: one machine prepares, others train",
+        group="corpus",
+    )
 
 
 @dataclass
@@ -63,7 +74,7 @@ class ModelConfig:
 
     Raises:
         ValueError: an unknown `preset`; a `model_overrides` key that is no VaswaniConfig field or is set from
-            the tokenizer, or an impossible value; a `vocab_size` that is not positive.
+            the tokenizer, or an impossible value; a `vocab_size` that is not positive, a negative `tokenizer_sample`.
     """
 
     preset: str = option(
@@ -84,9 +95,16 @@ class ModelConfig:
         help="shared BPE vocabulary, in tokens (§5.1: about 37,000 for WMT14 En-De)",
         group="model",
     )
+    tokenizer_sample: int = option(
+        1_000_000,
+        help="sentence pairs the BPE tokenizer learns from, spread evenly over a larger corpus (0: all)",
+        group="model",
+    )
 
     def __post_init__(self) -> None:
         _require_positive(self, "vocab_size")
+        if self.tokenizer_sample < 0:
+            raise ValueError(f"tokenizer_sample must be 0 (all pairs) or positive, got {self.tokenizer_sample}.")
         self._check_model_overrides()
 
     def _check_model_overrides(self) -> None:

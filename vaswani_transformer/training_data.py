@@ -1,4 +1,4 @@
-"""The data of a `train` run (§5.1): its shared BPE tokenizer and this process's token-budget batches.
+"""The data of a `train` run (§5.1): its tokenizer, where it has one, and this process's token-budget batches.
 
 Each batch holds about `max_tokens` padded tokens per side (`data.TokenBatchSampler`), not a number of
 sentences; every process reads its own share of them, and a resumed run continues at the batch it stopped at.
@@ -8,40 +8,35 @@ from collections.abc import Iterator
 
 import torch
 from accelerate import Accelerator
-from datasets import Dataset, DatasetDict
+from datasets import Dataset
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
-from .data import TokenBatchSampler, lengths_of, text_batches
-from .tokenization import train_tokenizer
+from .corpus_preparation import PreparedCorpus
+from .data import TokenBatchSampler, lengths_of
 from .training_config import TrainingConfig
 
 
-def prepare_tokenizer(config: TrainingConfig, corpus: DatasetDict | None, resuming: bool) -> PreTrainedTokenizerBase:
-    """The run's tokenizer: the one saved beside a resumed run's checkpoints, `config.tokenizer`, or a new BPE one.
+def run_tokenizer(config: TrainingConfig, resuming: bool) -> PreTrainedTokenizerBase | None:
+    """The run's tokenizer where it has one: that saved beside a resumed run's checkpoints, or `config.tokenizer`.
 
     Args:
-        config: the run's settings (`tokenizer`, `vocab_size`, `max_length`, the languages, `output_dir`).
-        corpus: the parallel corpus (`data.load_parallel_corpus`), to train a tokenizer on its training pairs;
-            unread when `resuming` or `config.tokenizer` is given.
+        config: the run's settings (`tokenizer`, `max_length`, `output_dir`).
         resuming: the run resumes from a checkpoint: it must tokenize exactly as it started.
 
     Returns:
-        The tokenizer, its `model_max_length` the run's `max_length` (translation truncates to it).
+        The tokenizer, its `model_max_length` the run's `max_length` (translation truncates to it); None where the
+        run trains one (`corpus_preparation.prepare_corpus`).
 
     Raises:
         OSError: the saved or given tokenizer cannot be loaded (`AutoTokenizer.from_pretrained`).
     """
     if resuming:  # the tokenizer the run started with, saved beside its checkpoints
         return AutoTokenizer.from_pretrained(config.output_dir)
-    if config.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        tokenizer.model_max_length = config.max_length  # saved with the model: translation truncates to it
-        return tokenizer
-    return train_tokenizer(
-        text_batches(corpus, [config.source_lang, config.target_lang]),
-        vocab_size=config.vocab_size,
-        model_max_length=config.max_length,
-    )
+    if not config.tokenizer:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    tokenizer.model_max_length = config.max_length  # saved with the model: translation truncates to it
+    return tokenizer
 
 
 def token_batches(
@@ -56,7 +51,7 @@ def token_batches(
     """A DataLoader of this process's token-budget batches (`TokenBatchSampler`, §5.1), padded to multiples of `pad_to`.
 
     Args:
-        split: a tokenized split (`data.tokenize_corpus`): `input_ids` and `labels` of each pair.
+        split: a prepared split (`corpus_preparation.PreparedCorpus`): `input_ids` and `labels` of each pair.
         tokenizer: its tokenizer, for the padding.
         max_tokens: padded tokens per batch and side.
         shuffle: shuffle the batches every epoch (training), with `seed`; else in order (validation).
@@ -93,18 +88,12 @@ def token_batches(
 
 
 def run_batches(
-    corpus: DatasetDict,
-    tokenized: DatasetDict,
-    tokenizer: PreTrainedTokenizerBase,
-    config: TrainingConfig,
-    accelerator: Accelerator,
+    corpus: PreparedCorpus, config: TrainingConfig, accelerator: Accelerator
 ) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None]:
     """This process's training and validation batches (`token_batches`), checked to give every process some.
 
     Args:
-        corpus: the parallel corpus as read, for the number of its pairs in a refusal.
-        tokenized: the corpus tokenized (`data.tokenize_corpus`): "train" and perhaps "validation".
-        tokenizer: its tokenizer.
+        corpus: the prepared corpus (`corpus_preparation.prepare_corpus`) and its tokenizer.
         config: the run's settings (`max_tokens`, `seed`, `compile`: compiled runs pad lengths to multiples of 8).
         accelerator: this process's place among the processes.
 
@@ -118,24 +107,23 @@ def run_batches(
     """
     # Compiled code is specialised to shapes; lengths in steps of 8 leave it few to meet (and suit matrix units).
     pad_to = 8 if config.compile else 1
-    train_batches = token_batches(
-        tokenized["train"], tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to
-    )
+    train, tokenizer = corpus.train, corpus.tokenizer
+    train_batches = token_batches(train, tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to)
     if len(train_batches.batch_sampler) == 0:  # else the endless stream of batches would wait forever
-        if len(tokenized["train"]) == 0:
+        if len(train) == 0:
             raise ValueError(
-                f"No training batches: none of the {len(corpus['train'])} training pairs is both non-empty and "
+                f"No training batches: none of the {corpus.training_pairs} training pairs is both non-empty and "
                 f"at most --max-length ({config.max_length}) tokens long on both sides; check the training "
                 "files for empty lines, or raise --max-length."
             )
         raise ValueError(
-            f"No training batches for every process: the {len(tokenized['train'])} training pairs make fewer "
+            f"No training batches for every process: the {len(train)} training pairs make fewer "
             f"batches of --max-tokens ({config.max_tokens}) than the {accelerator.num_processes} processes; "
             "lower --max-tokens or start fewer processes."
         )
-    if "validation" not in tokenized:
+    if corpus.validation is None:
         return train_batches, None
-    return train_batches, token_batches(tokenized["validation"], tokenizer, config.max_tokens, False, 0, accelerator)
+    return train_batches, token_batches(corpus.validation, tokenizer, config.max_tokens, False, 0, accelerator)
 
 
 def micro_batches(loader: torch.utils.data.DataLoader, epoch: int, done: int) -> Iterator[tuple[int, int, dict]]:
