@@ -95,6 +95,8 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
     steal = cpu_times()
     row["first"] = timed_train([*common, "--output-dir", str(work / "first"), "--max-steps", "1"], cache)
     row["cache_bytes"] = directory_bytes(cache)
+    # The model's vocabulary, which the tokenizer's sample decides: a batch's logits, and the peak, grow with it.
+    row["vocab_size"] = json.loads((work / "first" / "config.json").read_text())["vocab_size"]
     tokenizer = ["--tokenizer", str(work / "first")]
     row["second"] = timed_train([*common, "--output-dir", str(work / "second"), "--max-steps", "1", *tokenizer], cache)
     row["resume"] = timed_train([*common, "--output-dir", str(work / "first"), "--max-steps", "2", "--resume"], cache)
@@ -109,15 +111,18 @@ def table(report: dict) -> str:
         f"# Corpus preparation: {report['machine']['cpu']}, {report['machine']['cores']} cores, commit "
         f"{report['machine']['commit']}",
         "",
-        "| pairs | first run: to step 1 / peak RSS | second run | resume | cache on disk |",
-        "|---:|---|---|---|---:|",
+        "| pairs | vocabulary | first run: to step 1 / peak RSS | second run | resume | cache on disk |",
+        "|---:|---:|---|---|---|---:|",
     ]
     for row in report["rows"]:
         cells = [
             f"{row[run]['seconds_to_first_step']:.1f} s / {row[run]['peak_rss_mib']:,} MiB"
             for run in ("first", "second", "resume")
         ]
-        lines.append(f"| {row['pairs']:,} | {' | '.join(cells)} | {row['cache_bytes'] / 2**20:,.0f} MiB |")
+        vocabulary = f"{row['vocab_size']:,}" if "vocab_size" in row else "?"
+        lines.append(
+            f"| {row['pairs']:,} | {vocabulary} | {' | '.join(cells)} | {row['cache_bytes'] / 2**20:,.0f} MiB |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -65,13 +65,13 @@ def test_training_pairs_too_long_or_empty_are_left_out_and_said_at_every_run(tmp
     assert prepared.validation is None
 
 
-def test_validation_pairs_are_cut_to_max_length_with_their_end_of_sentence(multi30k_dir, tmp_path, corpus, tokenizer):
-    prepared = prepare(corpus_config(multi30k_dir, tmp_path, max_length=16), tokenizer)
-    validation = corpus["validation"].to_dict()
-    expected = tokenizer(validation["en"], text_target=validation["de"], truncation=True, max_length=16)
+def test_validation_pairs_are_cut_to_max_length_with_their_end_of_sentence(small_corpus, tmp_path, tokenizer):
+    prepared = prepare(corpus_config(small_corpus, tmp_path / "cache", max_length=16), tokenizer)
+    en, de = ((small_corpus / f"val.{lang}").read_text(encoding="utf-8").splitlines() for lang in ("en", "de"))
+    expected = tokenizer(en, text_target=de, truncation=True, max_length=16)
     assert [list(ids) for ids in prepared.validation["input_ids"]] == expected["input_ids"]
     assert [list(ids) for ids in prepared.validation["labels"]] == expected["labels"]
-    assert max(prepared.validation["target_length"]) == 16
+    assert max(prepared.validation["target_length"]) == 16, "some were cut"
     assert all(ids[-1] == tokenizer.eos_token_id for ids in prepared.validation["labels"])
     assert max(max(prepared.train["source_length"]), max(prepared.train["target_length"])) <= 16
 
@@ -208,3 +208,39 @@ def test_prepare_only_prepares_what_the_training_command_then_opens_and_touches_
     captured = capsys.readouterr()
     assert "Tokenizing" not in captured.err and "Training the tokenizer" not in captured.err
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_streamed_dataset_gives_token_batches_of_every_pair_each_epoch_and_trains(
+    multi30k_dir, tmp_path, monkeypatch, tokenizer
+):
+    import datasets
+    from conftest import cli_arguments, mini_run
+
+    from vaswani_transformer.cli import main
+    from vaswani_transformer.corpus_streaming import StreamedBatches
+
+    write_wmt14_layout(tmp_path / "wmt14", multi30k_dir, 400)
+    monkeypatch.chdir(tmp_path)
+    settings = dict(dataset_config="de-en", streaming=True, shuffle_buffer=150, max_tokens=512)
+    config = corpus_config("wmt14", tmp_path / "cache", **settings)
+    prepared = prepare(config, tokenizer)
+    assert isinstance(prepared.train, datasets.IterableDataset) and prepared.training_pairs is None
+    assert len(prepared.validation) == 100, "the validation split is prepared whole"
+
+    one_process = type("Accelerator", (), {"process_index": 0, "num_processes": 1})()
+    batches = StreamedBatches(prepared.train, tokenizer, config, one_process)
+    epoch = list(batches)
+    assert all(batch[side].numel() <= 512 for batch in epoch for side in ("input_ids", "labels"))
+    labels = [ids[ids != -100].tolist() for batch in epoch for ids in batch["labels"]]
+    expected = (multi30k_dir / "train.de").read_text(encoding="utf-8").splitlines()[:400]
+    assert sorted(tokenizer.batch_decode(labels, skip_special_tokens=True)) == sorted(expected), "each pair once"
+    batches.set_epoch(0, skip=3)  # a resumed run's place in its epoch
+    assert all(a["input_ids"].equal(b["input_ids"]) for a, b in zip(list(batches), epoch[3:], strict=True))
+    batches.set_epoch(1)
+    assert [b["input_ids"].shape for b in batches] != [b["input_ids"].shape for b in epoch], "a new order"
+
+    arguments = cli_arguments(mini_run(tmp_path / "unused", tmp_path / "out", max_steps=2, eval_steps=2, **settings))
+    data = arguments.index("--data-dir")
+    arguments[data : data + 2] = ["--dataset", "wmt14"]
+    assert main(arguments) == 0
+    assert len((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()) == 2

@@ -16,7 +16,7 @@ The cache is `data_cache_dir`, by default `$HF_DATASETS_CACHE/vaswani_transforme
 `corpora/<key>/`. Each entry is written into a temporary directory and renamed whole, under a file lock, so that
 concurrent runs and processes prepare a corpus once and none reads half of one. Nothing removes old entries.
 
-See docs/training.md, "Corpora of WMT size".
+See docs/data.md.
 """
 
 import collections
@@ -63,18 +63,19 @@ class PreparedCorpus:
     Attributes:
         tokenizer: the shared tokenizer the splits are encoded with.
         train: the training pairs kept (each side non-empty and at most `max_length` tokens, `</s>` included):
-            columns `input_ids` and `labels` (token ids), `source_length` and `target_length` (tokens).
+            columns `input_ids` and `labels` (token ids), `source_length` and `target_length` (tokens). With
+            `streaming`, the training split's text as a `datasets.IterableDataset` instead (`corpus_streaming`).
         validation: the same columns for every validation pair (cut to `max_length` tokens), and its text in
             columns named by the two languages; None without a validation split.
         directory: where the files are.
-        training_pairs: the training pairs of the corpus, before any were left out.
+        training_pairs: the training pairs of the corpus, before any were left out; None for a stream.
     """
 
     tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset
+    train: datasets.Dataset | datasets.IterableDataset
     validation: datasets.Dataset | None
     directory: Path
-    training_pairs: int
+    training_pairs: int | None
 
 
 def cache_directory(config: TrainingConfig) -> Path:
@@ -87,9 +88,12 @@ def prepare_corpus(
 ) -> PreparedCorpus:
     """Prepare `config`'s corpus once, or open the prepared one: tokenizer, then token ids and lengths (§5.1).
 
+    With `config.streaming`, the training split stays a stream: only the validation split and the tokenizer (trained
+    on the stream's first `tokenizer_sample` pairs) are prepared.
+
     Args:
-        config: the corpus (`data`, `files`, `dataset_config`, the languages), the tokenizer's settings
-            (`vocab_size`, `tokenizer_sample`), `max_length`, and `data_cache_dir`.
+        config: the corpus (`data`, `files`, `dataset_config`, the languages, `streaming`), the tokenizer's
+            settings (`vocab_size`, `tokenizer_sample`), `max_length`, and `data_cache_dir`.
         tokenizer: the run's tokenizer, or None to train a BPE tokenizer on the corpus (or take the one kept for it).
         corpus_files: the corpus's local files, by size and SHA-256 (`data.corpus_fingerprint`): with the
             tokenizer, what names the prepared files, so that a changed file is prepared anew.
@@ -103,13 +107,16 @@ def prepare_corpus(
             encodes targets otherwise than sources.
         OSError: the cache's disk has no room for the prepared corpus.
     """
-    splits = {
-        name: split
-        for name, split in corpus_splits(
-            config.data, config.source_lang, config.target_lang, config.dataset_config, config.files
-        ).items()
-        if name in SPLITS
-    }
+    found = corpus_splits(
+        config.data, config.source_lang, config.target_lang, config.dataset_config, config.files, config.streaming
+    )
+    splits = {name: split for name, split in found.items() if name in SPLITS}
+    streamed = splits.pop("train") if config.streaming else None
+    if streamed is not None:
+        # Of a stream, only what is small is held: the validation split, and the first pairs for the tokenizer.
+        splits = {name: datasets.Dataset.from_list(list(split)) for name, split in splits.items()}
+        if tokenizer is None:
+            splits["train"] = datasets.Dataset.from_list(list(streamed.take(config.tokenizer_sample)))
     tables = {name: split._fingerprint for name, split in splits.items() if isinstance(split, datasets.Dataset)}
     corpus = {
         "files": corpus_files,
@@ -120,26 +127,29 @@ def prepare_corpus(
     root = cache_directory(config)
     if tokenizer is None:
         tokenizer = _kept_tokenizer(config, splits["train"], corpus, root)
-    encoder = _encoder(tokenizer)
+    encoder = encoder_of(tokenizer)
     settings = {
         "corpus": corpus,
         "tokenizer": hashlib.sha256(encoder.to_str().encode()).hexdigest(),
         "max_length": config.max_length,
     }
+    if streamed is not None:  # a stream's training pairs are encoded as they arrive (`corpus_streaming`)
+        splits.pop("train", None)
     directory = root / "corpora" / _key(settings)
     with _built_once(directory) as building:
         if building is not None:
             with room_for(building, _text_bytes(splits), "the prepared corpus", "give --data-cache-dir elsewhere"):
                 _write_splits(building, splits, encoder, config, settings)
-    manifest = json.loads((directory / "manifest.json").read_text())
-    _report_left_out(manifest["splits"]["train"], config.max_length)
+    counts = json.loads((directory / "manifest.json").read_text())["splits"]
+    if "train" in counts:
+        _report_left_out(counts["train"], config.max_length)
     validation = directory / "validation.arrow"
     return PreparedCorpus(
         tokenizer=tokenizer,
-        train=datasets.Dataset.from_file(str(directory / "train.arrow")),
+        train=streamed if streamed is not None else datasets.Dataset.from_file(str(directory / "train.arrow")),
         validation=datasets.Dataset.from_file(str(validation)) if validation.exists() else None,
         directory=directory,
-        training_pairs=manifest["splits"]["train"]["pairs"],
+        training_pairs=counts["train"]["pairs"] if "train" in counts else None,
     )
 
 
@@ -190,9 +200,15 @@ def _counted(batches: Iterable[list[str]], bar: tqdm) -> Iterator[list[str]]:
         yield batch
 
 
-def _encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-    # A copy of the tokenizer's Rust pipeline, without truncation or padding that an earlier call may have set:
-    # `tokenizer(sources, text_target=targets)` encodes as it does, with the post-processor's `</s>`.
+def encoder_of(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """A copy of `tokenizer`'s Rust pipeline that encodes as `tokenizer(sources, text_target=targets)` (no truncation).
+
+    A copy of the run's own, so that no truncation or padding an earlier call set on it applies, and no state is
+    shared with other calls.
+
+    Raises:
+        ValueError: `tokenizer` is slow (Python), or encodes targets otherwise than sources.
+    """
     if not tokenizer.is_fast or hasattr(tokenizer, "_switch_to_target_mode"):
         kind = "a slow (Python) tokenizer" if not tokenizer.is_fast else "one that encodes targets otherwise"
         raise ValueError(
@@ -288,10 +304,10 @@ def _pair_batches(
 def _encoded_batches(
     batches: Iterable[tuple[list[str], list[str]]], encoder: Tokenizer, ids: pa.DataType
 ) -> Iterator[tuple[list[str], list[str], tuple[pa.ListArray, np.ndarray], tuple[pa.ListArray, np.ndarray]]]:
-    # Each batch with both sides encoded (`_encode`), the next one encoded on a thread meanwhile: `tokenizers`
+    # Each batch with both sides encoded (`encode_texts`), the next one encoded on a thread meanwhile: `tokenizers`
     # releases the GIL, so that reading and writing in Python use the time the Rust threads leave a core idle.
     def encode(sources: list[str], targets: list[str]) -> tuple:
-        return sources, targets, _encode(encoder, sources, ids), _encode(encoder, targets, ids)
+        return sources, targets, encode_texts(encoder, sources, ids), encode_texts(encoder, targets, ids)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending: collections.deque[Future] = collections.deque()
@@ -303,9 +319,11 @@ def _encoded_batches(
             yield pending.popleft().result()
 
 
-def _encode(encoder: Tokenizer, texts: list[str], ids: pa.DataType) -> tuple[pa.ListArray, np.ndarray]:
-    # Token ids of each text as one Arrow list array, and their lengths. `encode_batch_fast` runs on every core
-    # and skips the character offsets that nothing here reads.
+def encode_texts(encoder: Tokenizer, texts: list[str], ids: pa.DataType) -> tuple[pa.ListArray, np.ndarray]:
+    """Token ids of each text, as one Arrow list array of `ids` values, and their lengths, shape `(len(texts),)`.
+
+    `encode_batch_fast` runs on every core and skips the character offsets that nothing here reads.
+    """
     encoded = [encoding.ids for encoding in encoder.encode_batch_fast(texts)]
     lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
     offsets = np.zeros(len(encoded) + 1, dtype=np.int32)

@@ -1,9 +1,9 @@
-"""Parallel corpora as `datasets` tables, their tokenization, and token-based batches (§5.1).
+"""Parallel corpora: their splits found and read (§5.1), and the token-based batches of §5.1.
 
-Every per-sentence operation runs on Arrow tables through `datasets` (`load_dataset`, `map`);
-Hub datasets stay in `datasets`' files on disk, while text files are read into memory (as
-Python strings while they are read, then as one Arrow table). The batch sampler keeps only two
-integer arrays of lengths.
+A corpus is text files aligned by line (`AlignedFiles`, read as streams) or a `datasets` dataset (Hub or
+local folder, in `datasets`' memory-mapped files, or streamed). `train` prepares it once
+(`corpus_preparation`); `load_parallel_corpus` reads one whole into memory, for fine-tuning and tests. The
+batch sampler keeps only two integer arrays of lengths.
 """
 
 import codecs
@@ -202,7 +202,8 @@ def corpus_splits(
     target_lang: str,
     dataset_config: str | None = None,
     files: dict[str, tuple[str, str]] | None = None,
-) -> dict[str, AlignedFiles | datasets.Dataset]:
+    streaming: bool = False,
+) -> dict[str, AlignedFiles | datasets.Dataset | datasets.IterableDataset]:
     """Find the splits of a parallel corpus without reading its text files: `AlignedFiles`, or `datasets` tables.
 
     See docs/robustness.md, "Bad input".
@@ -216,32 +217,38 @@ def corpus_splits(
         source_lang, target_lang: language codes, the file extensions or dict keys.
         dataset_config: configuration name of a Hub dataset (e.g. "de-en" for WMT14).
         files: explicit `{split: (source_file, target_file)}`, added to or replacing those found in `data`.
+        streaming: read a dataset (not text files) as `datasets.IterableDataset`s, never downloaded whole.
 
     Returns:
         `{split: AlignedFiles or Dataset}` with "train", perhaps "validation" and test splits; a `Dataset` (in
-        `datasets`' memory-mapped files) has the columns `source_lang` and `target_lang`.
+        `datasets`' memory-mapped files) or `IterableDataset` has the columns `source_lang` and `target_lang`.
 
     Raises:
         FileNotFoundError: `data` does not exist (and is no Hub dataset id).
         ValueError: `data` is a file (a directory or dataset is needed), a directory holds two validation sets
-            (`val.*` and `dev.*`), or the dataset has no training split or no column for a language.
+            (`val.*` and `dev.*`), or the dataset has no training split or no column for a language (streamed:
+            when the first row arrives); `streaming` with text files.
     """
-    splits: dict[str, AlignedFiles | datasets.Dataset] = {}
+    splits: dict[str, AlignedFiles | datasets.Dataset | datasets.IterableDataset] = {}
     path = Path(data) if data else None
     text_files = _find_split_files(path, source_lang, target_lang) if path and path.is_dir() else {}
     splits.update(text_files)
     if path is not None and not text_files:
         if path.is_dir():
             if any(p.suffix in DATASET_SUFFIXES for p in path.rglob("*")):
-                splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config))
+                splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config, streaming))
         elif path.exists():
             raise ValueError(f"{data} is a file; give the directory that holds the corpus, or --train-files.")
         elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(data)):
-            splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config))
+            splits.update(_load_dataset_corpus(str(data), source_lang, target_lang, dataset_config, streaming))
         else:
             raise FileNotFoundError(f"{data} does not exist (expected a corpus directory or a Hub dataset id).")
     for split, (source_file, target_file) in (files or {}).items():
         splits[split] = AlignedFiles(Path(source_file), Path(target_file))
+    if streaming and any(isinstance(split, AlignedFiles) for split in splits.values()):
+        raise ValueError(
+            "--streaming reads a dataset (--dataset); text files are streamed and prepared once without it."
+        )
     if "train" not in splits:
         raise ValueError(
             f"No training split found in {data!r}: expected files train.{source_lang} and train.{target_lang}, "
@@ -323,11 +330,17 @@ def corpus_fingerprint(
 
 
 def _load_dataset_corpus(
-    dataset_id: str, source_lang: str, target_lang: str, dataset_config: str | None
-) -> dict[str, datasets.Dataset]:
-    loaded = datasets.load_dataset(dataset_id, dataset_config)
+    dataset_id: str, source_lang: str, target_lang: str, dataset_config: str | None, streaming: bool = False
+) -> dict[str, datasets.Dataset | datasets.IterableDataset]:
+    loaded = datasets.load_dataset(dataset_id, dataset_config, streaming=streaming)
     splits = {}
     for split, table in loaded.items():
+        name = "validation" if split in VALIDATION_STEMS else split
+        if streaming:  # rows arrive one by one: each is read as it comes, and a missing language said at the first
+            where = f"Dataset {dataset_id} split {split}"
+            splits[name] = table.map(_languages_of, fn_kwargs={"languages": (source_lang, target_lang), "where": where})
+            splits[name] = splits[name].select_columns([source_lang, target_lang])
+            continue
         if "translation" in table.column_names:
             table = table.flatten()
             table = table.rename_columns(
@@ -343,8 +356,17 @@ def _load_dataset_corpus(
                 f"Dataset {dataset_id} split {split} has no column for {', '.join(missing)}; "
                 f"its columns are {table.column_names}."
             )
-        splits["validation" if split in VALIDATION_STEMS else split] = table.select_columns([source_lang, target_lang])
+        splits[name] = table.select_columns([source_lang, target_lang])
     return splits
+
+
+def _languages_of(row: dict, languages: tuple[str, str], where: str) -> dict[str, str]:
+    # A streamed row's sentence in each language, from a `translation` dict (WMT14, OPUS) or a column per language.
+    texts = row.get("translation", row)
+    missing = [lang for lang in languages if lang not in texts]
+    if missing:
+        raise ValueError(f"{where} has no column for {', '.join(missing)}; its rows hold {', '.join(texts)}.")
+    return {lang: texts[lang] for lang in languages}
 
 
 def text_batches(

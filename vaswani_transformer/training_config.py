@@ -25,9 +25,9 @@ TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"
 # clocks, logging and the decoding choice may change, and the tokenizer is the one saved beside the checkpoints
 # (docs/training.md, "Training at scale, and runs that survive being killed").
 RUN_FIELDS = (
-    "data", "dataset_config", "files", "source_lang", "target_lang", "max_length", "preset", "model_overrides",
-    "max_tokens", "update_freq", "compile", "learning_rate_scale", "warmup_steps", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "seed", "mixed_precision", "bleu_sentences",
+    "data", "dataset_config", "files", "streaming", "shuffle_buffer", "source_lang", "target_lang", "max_length",
+    "preset", "model_overrides", "max_tokens", "update_freq", "compile", "learning_rate_scale", "warmup_steps",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "mixed_precision", "bleu_sentences",
 )  # fmt: skip
 
 # Accelerate's precisions, and auto: bf16 where this machine computes it clearly faster (`fastest_mixed_precision`).
@@ -45,8 +45,11 @@ def _require_positive(config: object, *names: str) -> None:
 class DataConfig:
     """What a run reads and where it writes: the parallel corpus (§5.1) and the output directory.
 
-    `data` and `files` name the corpus (see `data.load_parallel_corpus`); on the command line they come
+    `data` and `files` name the corpus (see `data.corpus_splits`); on the command line they come
     from `--data-dir`, `--dataset`, `--train-files` and `--validation-files`.
+
+    Raises:
+        ValueError: a `shuffle_buffer` that is not positive.
     """
 
     data: str
@@ -61,11 +64,23 @@ class DataConfig:
         "$HF_DATASETS_CACHE/vaswani_transformer",
         group="corpus",
     )
+    streaming: bool = option(
+        False,
+        help="read --dataset as a stream, never downloaded whole: lengths are sorted within --shuffle-buffer pairs "
+        "at a time, not over the corpus (docs/data.md)",
+        group="corpus",
+    )
+    shuffle_buffer: int = option(
+        100_000, help="with --streaming: pairs shuffled together, then sorted by length into batches", group="corpus"
+    )
     prepare_only: bool = option(
         False,
         help="prepare the corpus and tokenizer into the data cache, then stop: one machine prepares, others train",
         group="corpus",
     )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "shuffle_buffer")
 
 
 @dataclass
@@ -377,13 +392,15 @@ class TrainingConfig(
     `BudgetConfig`, `CheckpointConfig` (§6.1), `DecodingConfig` (§6.1), `FaultConfig` and `ComputeConfig`.
 
     Raises:
-        ValueError: a value that a group refuses (each group's docstring says which), the budget checked first.
+        ValueError: a value that a group refuses (each group's docstring says which), the budget checked first;
+            `streaming` with neither `tokenizer` nor a `tokenizer_sample`.
     """
 
     def __post_init__(self) -> None:
         # Each group checks its own fields; first the budget, the one choice that no default makes.
         checked = (
             BudgetConfig,
+            DataConfig,
             ModelConfig,
             BatchConfig,
             OptimizerConfig,
@@ -393,6 +410,11 @@ class TrainingConfig(
         )
         for group in checked:
             group.__post_init__(self)
+        if self.streaming and not self.tokenizer and self.tokenizer_sample == 0:
+            raise ValueError(
+                "--streaming trains the tokenizer on the stream's first --tokenizer-sample pairs; give a number "
+                "(0, all of them, would hold the whole corpus in memory), or --tokenizer."
+            )
 
     def check_resumes(self, record: dict, corpus: dict | None = None) -> list[str]:
         """Refuse to resume a run whose settings, or corpus files, differ from those it started with.

@@ -12,6 +12,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
 from .corpus_preparation import PreparedCorpus
+from .corpus_streaming import StreamedBatches
 from .data import TokenBatchSampler, lengths_of
 from .training_config import TrainingConfig
 
@@ -89,7 +90,7 @@ def token_batches(
 
 def run_batches(
     corpus: PreparedCorpus, config: TrainingConfig, accelerator: Accelerator
-) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None]:
+) -> tuple[torch.utils.data.DataLoader | StreamedBatches, torch.utils.data.DataLoader | None]:
     """This process's training and validation batches (`token_batches`), checked to give every process some.
 
     Args:
@@ -98,8 +99,8 @@ def run_batches(
         accelerator: this process's place among the processes.
 
     Returns:
-        (training batches, shuffled by `config.seed`; validation batches in order, or None without a
-        validation split).
+        (training batches, shuffled by `config.seed`: a DataLoader, or with `config.streaming` the
+        `StreamedBatches` of the stream; validation batches in order, or None without a validation split).
 
     Raises:
         ValueError: no training batch: no pair is within `max_length`, or the pairs make fewer batches than
@@ -108,8 +109,13 @@ def run_batches(
     # Compiled code is specialised to shapes; lengths in steps of 8 leave it few to meet (and suit matrix units).
     pad_to = 8 if config.compile else 1
     train, tokenizer = corpus.train, corpus.tokenizer
-    train_batches = token_batches(train, tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to)
-    if len(train_batches.batch_sampler) == 0:  # else the endless stream of batches would wait forever
+    if config.streaming:
+        train_batches = StreamedBatches(train, tokenizer, config, accelerator, pad_to)
+    else:
+        train_batches = token_batches(train, tokenizer, config.max_tokens, True, config.seed, accelerator, pad_to)
+    if (
+        not config.streaming and len(train_batches.batch_sampler) == 0
+    ):  # else the endless stream of batches would wait forever
         if len(train) == 0:
             raise ValueError(
                 f"No training batches: none of the {corpus.training_pairs} training pairs is both non-empty and "
@@ -126,19 +132,23 @@ def run_batches(
     return train_batches, token_batches(corpus.validation, tokenizer, config.max_tokens, False, 0, accelerator)
 
 
-def micro_batches(loader: torch.utils.data.DataLoader, epoch: int, done: int) -> Iterator[tuple[int, int, dict]]:
+def micro_batches(
+    loader: torch.utils.data.DataLoader | StreamedBatches, epoch: int, done: int
+) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, batches done in the epoch, batch) from position (`epoch`, `done`) on.
 
     Args:
-        loader: the training batches (`token_batches`).
+        loader: the training batches (`token_batches`, or `StreamedBatches`).
         epoch: the epoch to start in, from 0.
         done: the batches of that epoch already trained on, which are skipped.
 
     Returns:
         An endless iterator; its epochs follow one another, each shuffled anew.
     """
+    # Either places itself in the corpus: a DataLoader through its sampler, a stream by itself.
+    positioned = loader.batch_sampler if isinstance(loader, torch.utils.data.DataLoader) else loader
     while True:
-        loader.batch_sampler.set_epoch(epoch, skip=done)
+        positioned.set_epoch(epoch, skip=done)
         for batch in loader:
             done += 1
             yield epoch, done, batch
