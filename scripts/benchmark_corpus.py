@@ -133,12 +133,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 10, 50, 155])
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    commit = commit_measured()  # now: files edited while it runs are no part of what it measured
     rows = [measure(args, repeats) for repeats in args.repeats]
     report = {"task": "corpus-preparation", "device": "cpu", "dtype": "float32", "load_average": load_average()}
     from importlib.metadata import version
 
     libraries = {name: version(name) for name in ("tokenizers", "datasets", "pyarrow")}
-    report["machine"] = {**machine("cpu"), **libraries, "commit": commit_measured()}
+    report["machine"] = {**machine("cpu"), **libraries, "commit": commit}
     report["rows"] = rows
     stem = write_report(
         args.output_dir, report_stem(report, "corpus-preparation"), json.dumps(report, indent=2), table(report)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vaswani_transformer import corpus_preparation
-from vaswani_transformer.corpus_preparation import prepare_corpus
+from vaswani_transformer.corpus_preparation import prepare_corpus, tokenizer_sample
 from vaswani_transformer.data import AlignedFiles, corpus_fingerprint, text_batches
 from vaswani_transformer.tokenization import train_tokenizer
 from vaswani_transformer.training_config import TrainingConfig
@@ -100,12 +100,15 @@ def test_a_second_run_opens_the_prepared_files_and_a_changed_file_is_prepared_an
     assert tokenizer.decode(fresh.train[index]["labels"], skip_special_tokens=True) == changed.splitlines()[index]
 
 
-def test_the_tokenizer_is_trained_on_an_even_sample_and_kept_for_the_next_run(small_corpus, tmp_path):
+def test_the_tokenizer_is_trained_on_a_random_sample_and_kept_for_the_next_run(small_corpus, tmp_path):
     config = corpus_config(small_corpus, tmp_path / "cache", vocab_size=500, tokenizer_sample=100)
     prepared = prepare(config)
+    chosen = tokenizer_sample(2000, 100)
+    assert chosen.sum() == 100 and np.flatnonzero(chosen).max() > 1000, "spread over the corpus"
+    assert not np.array_equal(chosen[::20], chosen[1::20]), "not every k-th pair"
     files = AlignedFiles(small_corpus / "train.en", small_corpus / "train.de")
-    every_20th = train_tokenizer(text_batches(files, ["en", "de"], every=20), vocab_size=500)
-    assert prepared.tokenizer.backend_tokenizer.to_str() == every_20th.backend_tokenizer.to_str()
+    sampled = train_tokenizer(text_batches(files, ["en", "de"], chosen), vocab_size=500)
+    assert prepared.tokenizer.backend_tokenizer.to_str() == sampled.backend_tokenizer.to_str()
     assert prepared.tokenizer.model_max_length == config.max_length
     again = prepare(config)  # the kept tokenizer, so the same prepared files
     assert again.directory == prepared.directory

@@ -173,6 +173,22 @@ def test_generate_from_four_threads_at_once_gives_each_call_what_it_gives_alone(
                 assert torch.equal(sequences(future.result()), expected)
 
 
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_decoding_with_a_static_cache_gives_what_the_dynamic_cache_gives(trained_model_dir, corpus, num_beams):
+    # A static cache (`cache_implementation="static"`, the road to a compiled decoding step) holds empty slots that
+    # the mask hides, and takes transformers' own beam search instead of ours: the translations must not change.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(corpus["test_2016_flickr"]["en"][:24], padding=True, return_tensors="pt")
+    dynamic = model.generate(**inputs, num_beams=num_beams)
+    static = model.generate(**inputs, num_beams=num_beams, cache_implementation="static")
+    width = min(dynamic.shape[1], static.shape[1])  # the static run may pad its rows further
+    assert torch.equal(dynamic[:, :width], static[:, :width])
+    assert (dynamic[:, width:] == model.config.pad_token_id).all() and (
+        static[:, width:] == model.config.pad_token_id
+    ).all()
+
+
 def test_a_decoder_prompt_is_continued_as_transformers_continues_it(tokenizer, test_sentences):
     # A prompt longer than the decoder start needs its keys and values before the first step: transformers' loop.
     model = random_model(tokenizer, seed=9)

@@ -5,8 +5,8 @@ Preparing a corpus of WMT's size (4.5M pairs for WMT14 En-De) takes minutes. Eve
 process of a multi-process run open what the first one wrote instead. Preparing:
 
 1. reads the training and validation splits as streams: text files line by line, `datasets` tables by batch;
-2. trains the shared BPE tokenizer (`tokenization.train_tokenizer`) on at most `tokenizer_sample` pairs spread
-   evenly over the corpus, unless a tokenizer is given, and keeps it, keyed by the corpus and its settings;
+2. trains the shared BPE tokenizer (`tokenization.train_tokenizer`) on at most `tokenizer_sample` pairs drawn at
+   random from the corpus, unless a tokenizer is given, and keeps it, keyed by the corpus and its settings;
 3. encodes every pair with `tokenizers` in Rust, on every core, and leaves out the training pairs with an empty
    side or a side longer than `max_length` tokens;
 4. writes `input_ids`, `labels` and both lengths to Arrow files (the validation split with its text too), which
@@ -25,7 +25,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -182,16 +181,28 @@ def _kept_tokenizer(
     directory = root / "tokenizers" / _key(settings)
     with _built_once(directory) as building:
         if building is not None:
-            pairs = _count_pairs(train)
-            every = math.ceil(pairs / config.tokenizer_sample) if config.tokenizer_sample else 1
-            sample = 2 * len(range(0, pairs, every))
-            with tqdm(total=sample, desc="Training the tokenizer", unit="sentences", unit_scale=True) as bar:
-                batches = _counted(text_batches(train, [config.source_lang, config.target_lang], every), bar)
+            chosen = tokenizer_sample(_count_pairs(train), config.tokenizer_sample)
+            sentences = 2 * (int(chosen.sum()) if chosen is not None else _count_pairs(train))
+            with tqdm(total=sentences, desc="Training the tokenizer", unit="sentences", unit_scale=True) as bar:
+                batches = _counted(text_batches(train, [config.source_lang, config.target_lang], chosen), bar)
                 tokenizer = train_tokenizer(batches, vocab_size=config.vocab_size)
             tokenizer.save_pretrained(building)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.model_max_length = config.max_length  # saved with the model: translation truncates to it
     return tokenizer
+
+
+def tokenizer_sample(pairs: int, size: int) -> np.ndarray | None:
+    """Which of `pairs` sentence pairs the tokenizer learns from: a boolean mask of `size` chosen at random, seed 0.
+
+    A random sample, not every k-th pair: a corpus made of parts in turn (or of one part repeated) would otherwise
+    give the sample one kind of pair only. None, all of them, where `size` is 0 or at least `pairs`.
+    """
+    if not size or size >= pairs:
+        return None
+    chosen = np.zeros(pairs, dtype=bool)
+    chosen[np.random.default_rng(0).choice(pairs, size, replace=False)] = True
+    return chosen
 
 
 def _counted(batches: Iterable[list[str]], bar: tqdm) -> Iterator[list[str]]:

@@ -85,13 +85,14 @@ class AlignedFiles(NamedTuple):
             )
         return counts[0]
 
-    def lines(self, side: int, every: int = 1) -> Iterator[str]:
-        """The sentences of one side (0: source, 1: target), or every `every`-th of them from the first.
+    def lines(self, side: int, chosen: np.ndarray | None = None) -> Iterator[str]:
+        """The sentences of one side (0: source, 1: target): all, or those where the boolean mask `chosen` is True.
 
         Raises:
             ValueError: a line that is not valid UTF-8 (file and line named), when it is reached.
         """
-        return itertools.islice(iter_lines(self[side]), 0, None, every)
+        lines = iter_lines(self[side])
+        return lines if chosen is None else itertools.compress(lines, chosen)
 
     def batches(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
         """(sources, targets) of `size` pairs at a time, in file order; one batch is in memory at a time."""
@@ -370,7 +371,10 @@ def _languages_of(row: dict, languages: tuple[str, str], where: str) -> dict[str
 
 
 def text_batches(
-    split: AlignedFiles | datasets.Dataset, languages: list[str], every: int = 1, batch_size: int = 1000
+    split: AlignedFiles | datasets.Dataset,
+    languages: list[str],
+    chosen: np.ndarray | None = None,
+    batch_size: int = 1000,
 ) -> Iterator[list[str]]:
     """Batches of a split's sentences, one language after the other, for `train_tokenizer` (§5.1).
 
@@ -378,7 +382,7 @@ def text_batches(
         split: text files (`AlignedFiles`, their sides in the order of `languages`) or a table with a column
             per language.
         languages: the source and target language codes.
-        every: take every `every`-th pair from the first (an even sample of a large corpus).
+        chosen: a boolean mask of the pairs to take, shape `(pairs,)` (a sample of a large corpus); None: all.
         batch_size: sentences per batch.
 
     Returns:
@@ -386,11 +390,11 @@ def text_batches(
     """
     for side, lang in enumerate(languages):
         if isinstance(split, AlignedFiles):
-            lines = split.lines(side, every)
+            lines = split.lines(side, chosen)
             while batch := list(itertools.islice(lines, batch_size)):
                 yield batch
         else:
-            sample = split.select(range(0, len(split), every)) if every > 1 else split
+            sample = split if chosen is None else split.select(np.flatnonzero(chosen))
             for batch in sample.select_columns([lang]).iter(batch_size=batch_size):
                 yield batch[lang]
 

@@ -112,7 +112,7 @@ class ModelConfig:
     )
     tokenizer_sample: int = option(
         1_000_000,
-        help="sentence pairs the BPE tokenizer learns from, spread evenly over a larger corpus (0: all)",
+        help="sentence pairs the BPE tokenizer learns from, drawn at random from a larger corpus (0: all)",
         group="model",
     )
 
