@@ -78,7 +78,8 @@ class PreparedCorpus:
 
 
 def cache_directory(config: TrainingConfig) -> Path:
-    """Where prepared corpora and tokenizers are kept: `config.data_cache_dir`, else under `HF_DATASETS_CACHE`."""
+    """Where prepared corpora (§5.1) and their tokenizers are kept: `config.data_cache_dir`, else
+    `$HF_DATASETS_CACHE/vaswani_transformer`. See docs/data.md, "The data cache"."""
     return Path(config.data_cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "vaswani_transformer")
 
 
@@ -193,7 +194,8 @@ def _kept_tokenizer(
 
 
 def tokenizer_sample(pairs: int, size: int) -> np.ndarray | None:
-    """Which of `pairs` sentence pairs the tokenizer learns from: a boolean mask of `size` chosen at random, seed 0.
+    """Which of `pairs` sentence pairs the BPE tokenizer learns from (§5.1): a boolean mask, shape `(pairs,)`, with
+    `size` pairs chosen at random, seed 0.
 
     A random sample, not every k-th pair: a corpus made of parts in turn (or of one part repeated) would otherwise
     give the sample one kind of pair only. None, all of them, where `size` is 0 or at least `pairs`.
@@ -212,7 +214,7 @@ def _counted(batches: Iterable[list[str]], bar: tqdm) -> Iterator[list[str]]:
 
 
 def encoder_of(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-    """A copy of `tokenizer`'s Rust pipeline that encodes as `tokenizer(sources, text_target=targets)` (no truncation).
+    """A copy of `tokenizer`'s Rust pipeline, encoding as `tokenizer(sources, text_target=targets)` does (§5.1).
 
     A copy of the run's own, so that no truncation or padding an earlier call set on it applies, and no state is
     shared with other calls.
@@ -331,7 +333,8 @@ def _encoded_batches(
 
 
 def encode_texts(encoder: Tokenizer, texts: list[str], ids: pa.DataType) -> tuple[pa.ListArray, np.ndarray]:
-    """Token ids of each text, as one Arrow list array of `ids` values, and their lengths, shape `(len(texts),)`.
+    """Token ids of each text with its `</s>` (§5.1): an Arrow list array of `len(texts)` rows of `ids` values, and
+    their lengths in tokens, an int32 array of shape `(len(texts),)`.
 
     `encode_batch_fast` runs on every core and skips the character offsets that nothing here reads.
     """

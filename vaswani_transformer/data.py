@@ -95,7 +95,12 @@ class AlignedFiles(NamedTuple):
         return lines if chosen is None else itertools.compress(lines, chosen)
 
     def batches(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
-        """(sources, targets) of `size` pairs at a time, in file order; one batch is in memory at a time."""
+        """(sources, targets) of `size` pairs at a time, in file order; one batch is in memory at a time.
+
+        Raises:
+            ValueError: a line that is not valid UTF-8 (file and line named); the files end at different lines
+                (`count_pairs` says so first, naming both counts).
+        """
         pairs = zip(self.lines(0), self.lines(1), strict=True)
         while batch := list(itertools.islice(pairs, size)):
             sources, targets = zip(*batch, strict=True)
@@ -103,7 +108,11 @@ class AlignedFiles(NamedTuple):
 
 
 def count_lines(path: Path) -> int:
-    """Lines of a file as `iter_lines` reads them: line feeds, plus one for a last line without one."""
+    """Lines of a file as `iter_lines` reads them: line feeds, plus one for a last line without one.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     count, last = 0, b"\n"
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 24):
