@@ -1,10 +1,10 @@
 """Speed and memory of this Transformer beside HF Marian and CTranslate2, on identical weights, in one run.
 
 For each preset the script builds one randomly initialised `VaswaniForConditionalGeneration`,
-the `MarianMTModel` that computes the same function (`convert.to_marian`: zero attention biases,
+the `MarianMTModel` that computes the same function (`marian.to_marian`: zero attention biases,
 zero `final_logits_bias`, ReLU, sqrt(d_model) embedding scale, the sinusoid permutation) and the
-CTranslate2 model of `export.export_ctranslate2`. Every measurement runs in a fresh Python process
-(this script with `--child`), which reports its own peak resident memory (VmHWM):
+CTranslate2 model of `ctranslate2.write_ctranslate2_export`. Every measurement runs in a fresh Python
+process (this script with `--child`), which reports its own peak resident memory (VmHWM):
 
 - training: non-padding source + target tokens per second of forward + backward + (fused) Adam step, on
   the same Multi30k batches (the project's `TokenBatchSampler`, `--max-tokens` per side) for both
@@ -278,7 +278,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from vaswani_transformer.configuration_vaswani import PRESETS  # not in children, which set threads first
+    from vaswani_transformer.model.configuration_vaswani import PRESETS  # not in children, which set threads first
 
     if unknown := [preset for preset in args.presets if preset not in PRESETS]:
         parser.error(f"--presets: unknown {' '.join(unknown)}; choose from {' '.join(PRESETS)}")

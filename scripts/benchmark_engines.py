@@ -60,12 +60,13 @@ class _RecordingTranslator:
 def cli_translation(engine: "Engine", model: Path, path: Path, num_workers: int) -> Callable[[], list[str]]:  # noqa: F821
     """A function that runs `vaswani-transformer translate --model MODEL --engine ENGINE --input PATH --num-workers N`
     in this process (`cli.main`, so with the options' defaults the command has) with `engine` already loaded, its
-    `inference.load_engine` answering with it, and returns the lines the command printed.
+    `engines.load_engine` answering with it, and returns the lines the command printed.
 
     Raises (when called):
         RuntimeError: the command failed (its stderr in the message), or asked for an engine other than `engine`.
     """
-    from vaswani_transformer import cli, inference
+    from vaswani_transformer import cli
+    from vaswani_transformer.inference import input_translation
 
     argv = ["translate", "--model", str(model), "--engine", engine.name, "--input", str(path)]
     argv += ["--num-workers", str(num_workers)]
@@ -77,7 +78,8 @@ def cli_translation(engine: "Engine", model: Path, path: Path, num_workers: int)
 
     def run() -> list[str]:
         printed, errors = io.StringIO(), io.StringIO()  # the progress bar goes to stderr
-        with mock.patch.object(inference, "load_engine", loaded), redirect_stdout(printed), redirect_stderr(errors):
+        patched = mock.patch.object(input_translation, "load_engine", loaded)
+        with patched, redirect_stdout(printed), redirect_stderr(errors):
             status = cli.main(argv)
         if status != 0:
             raise RuntimeError(f"vaswani-transformer {' '.join(argv)} exited with {status}:\n{errors.getvalue()}")
@@ -94,15 +96,15 @@ def child_ct2(run: str, args: argparse.Namespace) -> dict:
     PyTorch's thread count, which the engine gives CTranslate2 as `intra_threads`.
 
     Raises:
-        ImportError: ctranslate2 is missing; OSError, ValueError: from `inference.load_engine`.
+        ImportError: ctranslate2 is missing; OSError, ValueError: from `engines.load_engine`.
     """
     import torch
 
-    from vaswani_transformer.data import iter_lines
-    from vaswani_transformer.export import ctranslate2_export
-    from vaswani_transformer.inference import load_engine
-    from vaswani_transformer.inference_config import InferenceConfig
-    from vaswani_transformer.translation import translate
+    from vaswani_transformer.data.corpora import iter_lines
+    from vaswani_transformer.exchange.ctranslate2 import ensure_ctranslate2_export
+    from vaswani_transformer.inference.config import InferenceConfig
+    from vaswani_transformer.inference.engines import load_engine
+    from vaswani_transformer.inference.translation import translate
 
     engine = load_engine(str(args.model), InferenceConfig(engine="ctranslate2", device="cpu"))
     path = args.data_dir / SOURCE
@@ -136,7 +138,7 @@ def child_ct2(run: str, args: argparse.Namespace) -> dict:
         "translations": translations,
         "batches": len(recorder.calls),
         "intra_threads": torch.get_num_threads(),
-        "export": str(ctranslate2_export(str(args.model))),  # where load_engine found it
+        "export": str(ensure_ctranslate2_export(str(args.model))),  # where load_engine found it
         "decoding": f"beam {engine.beam_size}, {penalty} length penalty {engine.length_penalty}",
         "translate_batch_options": {k: v for k, v in recorder.calls[0][1].items() if k not in per_batch},
     }
@@ -147,11 +149,11 @@ def child_torch(run: str, args: argparse.Namespace) -> dict:
     or `--threads` workers ("torch-workers"), after one untimed batch; and its translations.
 
     Raises:
-        OSError, ValueError: from `inference.load_engine`.
+        OSError, ValueError: from `engines.load_engine`.
     """
-    from vaswani_transformer.data import iter_lines
-    from vaswani_transformer.inference import load_engine
-    from vaswani_transformer.inference_config import BATCH_SIZE, InferenceConfig
+    from vaswani_transformer.data.corpora import iter_lines
+    from vaswani_transformer.inference.config import BATCH_SIZE, InferenceConfig
+    from vaswani_transformer.inference.engines import load_engine
 
     engine = load_engine(str(args.model), InferenceConfig(engine="torch", device="cpu"))
     path = args.data_dir / SOURCE
@@ -256,8 +258,8 @@ def parent(args: argparse.Namespace, run_child: Callable[..., dict]) -> None:
     Raises:
         RuntimeError: a child failed; OSError: --model or the data missing.
     """
-    from vaswani_transformer.data import iter_lines
-    from vaswani_transformer.translation import corpus_bleu
+    from vaswani_transformer.data.corpora import iter_lines
+    from vaswani_transformer.inference.translation import corpus_bleu
 
     load_before, commit = load_average(), commit_measured()  # as the run starts
     rounds = []

@@ -14,11 +14,11 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
     from transformers import AutoTokenizer
 
     from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
-    from vaswani_transformer.convert import to_marian
-    from vaswani_transformer.corpus_preparation import prepare_corpus
-    from vaswani_transformer.data import TokenBatchSampler, corpus_fingerprint, load_parallel_corpus
-    from vaswani_transformer.export import export_ctranslate2
-    from vaswani_transformer.training_config import TrainingConfig
+    from vaswani_transformer.data.corpora import TokenBatchSampler, corpus_fingerprint, load_parallel_corpus
+    from vaswani_transformer.exchange.ctranslate2 import write_ctranslate2_export
+    from vaswani_transformer.exchange.marian import to_marian
+    from vaswani_transformer.training.config import TrainingConfig
+    from vaswani_transformer.training.corpus import prepare_corpus
 
     # The tokenizer and token ids as `train` prepares them, with its default max_length; the test set as text.
     config = TrainingConfig(
@@ -58,7 +58,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         tokenizer.save_pretrained(directory / "ours")
         to_marian(model).save_pretrained(directory / "marian")
         if with_ct2:
-            export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+            write_ctranslate2_export(directory / "ours", directory / "ct2", force=True)
         info["presets"][preset] = {"parameters": sum(p.numel() for p in model.parameters())}
     if args.model:
         directory = workdir / TRAINED
@@ -68,7 +68,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict:
         trained_tokenizer.save_pretrained(directory / "ours")
         to_marian(trained).save_pretrained(directory / "marian")
         if with_ct2:
-            export_ctranslate2(directory / "ours", directory / "ct2", force=True)
+            write_ctranslate2_export(directory / "ours", directory / "ct2", force=True)
         test = corpus["test_2016_flickr"]["en"][: args.translate_batches * 32]
         test_batches = [test[i : i + 32] for i in range(0, len(test), 32)]
         encoded = [dict(trained_tokenizer(batch, padding=True, return_tensors="pt")) for batch in test_batches]

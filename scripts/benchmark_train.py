@@ -24,8 +24,8 @@ def training_step(engine: str, args: argparse.Namespace) -> Callable[[dict], "to
     import torch
     import torch.nn.functional as F
 
-    from vaswani_transformer.modeling_vaswani import shift_tokens_right
-    from vaswani_transformer.training import avoid_cudnn_attention
+    from vaswani_transformer.model.modeling_vaswani import shift_tokens_right
+    from vaswani_transformer.training.run import avoid_cudnn_attention
 
     torch.manual_seed(0)
     if engine == "ours":
@@ -53,7 +53,7 @@ def training_step(engine: str, args: argparse.Namespace) -> Callable[[dict], "to
         avoid_cudnn_attention()  # for both engines, as `train` does: the batches change shape at every step
     if args.compile:  # both engines, as `train --compile` compiles ours: dynamic shapes for token batches
         loss_of = torch.compile(loss_of, dynamic=True)
-    # Fused for both: `vaswani_transformer.training` uses it, and so does the HF Trainer (`adamw_torch_fused`).
+    # Fused for both: `vaswani_transformer.training.run` uses it, and so does the HF Trainer (`adamw_torch_fused`).
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     # Mixed precision as Accelerate runs it: float32 weights, autocast, a gradient scaler for float16.
     autocast = torch.autocast(args.device, dtype=getattr(torch, args.dtype), enabled=args.dtype != "float32")
@@ -82,7 +82,7 @@ def child_train(engine: str, args: argparse.Namespace) -> dict:
     import torch
 
     from vaswani_transformer import VaswaniConfig
-    from vaswani_transformer.flops import peak_flops, training_flops
+    from vaswani_transformer.training.flops import peak_flops, training_flops
 
     step = training_step(engine, args)
     config = VaswaniConfig.from_pretrained(args.workdir / "ours")

@@ -22,7 +22,7 @@ def child_translate(engine: str, args: argparse.Namespace, workers: int = 1) -> 
     from transformers import AutoTokenizer
 
     # corpus_bleu: also registers the tokenizer (no trust_remote_code prompt)
-    from vaswani_transformer.translation import corpus_bleu, map_in_workers
+    from vaswani_transformer.inference.translation import corpus_bleu, map_in_workers
 
     options = dict(num_beams=4, length_penalty=1.0, max_new_tokens=128)
     tokenizer = AutoTokenizer.from_pretrained(args.workdir / "ours")

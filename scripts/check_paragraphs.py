@@ -17,7 +17,7 @@ from pathlib import Path
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import vaswani_transformer  # noqa: F401  (registers the Auto classes)
-from vaswani_transformer.translation import corpus_bleu, translate
+from vaswani_transformer.inference.translation import corpus_bleu, translate
 
 model_dir, out = sys.argv[1], Path(sys.argv[2])
 data = Path(os.environ.get("MULTI30K_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"))
@@ -27,10 +27,10 @@ pairs = [(e, d) for e, d in zip(en, de, strict=True) if e.rstrip().endswith(("."
 src, ref = [p[0] for p in pairs], [p[1] for p in pairs]
 model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
 tok = AutoTokenizer.from_pretrained(model_dir)
-lines = translate(model, tok, src, 32, split_sentences=False)
+lines = translate(model, tok, src, batch_size=32, split_sentences=False)
 paragraphs = [" ".join(src[i : i + 8]) for i in range(0, 40, 8)]
 text = "\n\n".join(paragraphs) + "\n"
-joined = translate(model, tok, [text], 32)[0]
+joined = translate(model, tok, [text], batch_size=32)[0]
 expected = "\n\n".join(" ".join(lines[i : i + 8]) for i in range(0, 40, 8)) + "\n"
 server = subprocess.Popen(
     [sys.executable, "-m", "vaswani_transformer.cli", "serve", model_dir, "--port", "0"],

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from vaswani_transformer.checkpoints import checkpoint_step, list_checkpoints
+from vaswani_transformer.training.checkpoints import checkpoint_step, list_checkpoints
 
 # One layer each side: a model that trains in seconds (the tests' `mini_run` uses it too).
 MINI_MODEL = {"d_model": 32, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1, "num_attention_heads": 2}

@@ -24,11 +24,11 @@ from transformers import (
 )
 
 import vaswani_transformer  # noqa: F401  (registers the Auto classes)
-from vaswani_transformer.data import corpus_location, load_parallel_corpus
-from vaswani_transformer.hub import save_translator
-from vaswani_transformer.training import avoid_cudnn_attention
-from vaswani_transformer.training_config import TrainingConfig
-from vaswani_transformer.translation import corpus_bleu
+from vaswani_transformer.data.corpora import corpus_location, load_parallel_corpus
+from vaswani_transformer.exchange.saving import save_translator
+from vaswani_transformer.inference.translation import corpus_bleu
+from vaswani_transformer.training.config import TrainingConfig
+from vaswani_transformer.training.run import avoid_cudnn_attention
 
 
 class _Seq2SeqTrainer(Seq2SeqTrainer):
@@ -62,7 +62,7 @@ def build_trainer(
 
     Args:
         model_dir: a saved translator (directory or Hub id) with its tokenizer.
-        data: corpus directory or Hub dataset id (see `vaswani_transformer.data.load_parallel_corpus`);
+        data: corpus directory or Hub dataset id (see `vaswani_transformer.data.corpora.load_parallel_corpus`);
             it needs a "train" split and, for evaluation, a "validation" split.
         source_lang, target_lang: language codes (file extensions or dataset columns).
         output_dir: the Trainer's output directory.

@@ -63,8 +63,8 @@ from pathlib import Path
 from benchmark_common import commit_measured, cpu_times  # scripts/benchmark_common.py: this folder is on sys.path
 from benchmark_common import machine as benchmark_machine
 
-from vaswani_transformer.inference_config import ENGINES
-from vaswani_transformer.serving_config import ServingConfig
+from vaswani_transformer.inference.config import ENGINES
+from vaswani_transformer.serving.config import ServingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

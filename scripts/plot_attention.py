@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import vaswani_transformer  # noqa: F401  (registers the Auto classes)
-from vaswani_transformer.plotting import ATTENTION_KINDS, attention_maps, plot_attention
+from vaswani_transformer.utils.plotting import ATTENTION_KINDS, attention_maps, plot_attention
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ On the batches `vaswani-transformer train --preset base --mixed-precision bf16 -
 on (§5.1: about 25,000 source and 25,000 target tokens; Multi30k en->de, shared 8,000-token BPE, as
 scripts/benchmark.py), eager, the script measures in one process, in this order:
 
-1. throughput of the real training step: `training.TrainingRun.optimizer_step` + `after_step`, the very
+1. throughput of the real training step: `TrainingRun.steps.optimizer_step` + `after_step`, the very
    code of `train()`'s loop (Accelerate's bf16 autocast, the fused output projection and label-smoothed
    loss, fused Adam, the schedule, the non-finite-loss check), on a run whose corpus is replaced by the
    prepared batches. Real source + target tokens per second, target tokens per second (what `train`
@@ -170,7 +170,7 @@ def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[
     import torch
     from transformers import BatchEncoding
 
-    from vaswani_transformer.data import TokenBatchSampler, lengths_of
+    from vaswani_transformer.data.corpora import TokenBatchSampler, lengths_of
 
     synthetic = args.synthetic or not (args.data_dir / "train.en").is_file()
     if synthetic:
@@ -202,9 +202,9 @@ def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[
 
         from transformers import DataCollatorForSeq2Seq
 
-        from vaswani_transformer.corpus_preparation import prepare_corpus
-        from vaswani_transformer.data import corpus_fingerprint
-        from vaswani_transformer.training_config import TrainingConfig
+        from vaswani_transformer.data.corpora import corpus_fingerprint
+        from vaswani_transformer.training.config import TrainingConfig
+        from vaswani_transformer.training.corpus import prepare_corpus
 
         config = TrainingConfig(
             data=str(args.data_dir), source_lang="en", target_lang="de", output_dir="", max_steps=1,
@@ -274,23 +274,38 @@ def model_config(args: argparse.Namespace, source: dict):
     )  # fmt: skip
 
 
+class FedBatches:
+    """Stands in for a run's token batches: each step trains on the one batch `feed` gave it (update_freq 1)."""
+
+    def __init__(self) -> None:
+        self.pending: list[dict] = []
+
+    def feed(self, batch: dict) -> None:
+        self.pending.append(batch)
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:  # as `batches.micro_batches` positions a corpus
+        pass
+
+    def __iter__(self):
+        while self.pending:
+            yield self.pending.pop()
+
+
 def training_run(args: argparse.Namespace, config, workdir: Path, compile: bool = False):
     """A `TrainingRun` of `train` whose corpus is left out, and a function that runs its step on one batch.
 
-    The step is `train()`'s loop body: `optimizer_step()` (which moves the batch to the device, counts its
-    FLOPs, runs forward and backward under Accelerate, checks the loss, steps Adam and the schedule) and
-    `after_step()` (progress, clocks); its logging, validation and checkpoints never fall due.
+    The step is `train()`'s loop body: `run.steps.optimizer_step()` (which moves the batch to the device, counts
+    its FLOPs, runs forward and backward under Accelerate, checks the loss, steps Adam and the schedule) and
+    `run.after_step()` (progress, clocks); its logging, validation and checkpoints never fall due.
     """
-    from tqdm.auto import tqdm
-
     from vaswani_transformer import VaswaniForConditionalGeneration
-    from vaswani_transformer.training import TrainingRun
-    from vaswani_transformer.training_config import TrainingConfig
+    from vaswani_transformer.training.config import TrainingConfig
+    from vaswani_transformer.training.run import RunData, build_run
 
-    class ProfiledRun(TrainingRun):
-        def _load_data_and_model(self, resume_from):  # no corpus: the batches come from `step`
-            self.tokenizer, self.train_batches, self.valid_batches = None, None, None
-            return VaswaniForConditionalGeneration(config)
+    batches = FedBatches()
+
+    def load(*args):  # no corpus: the batches come from `step`
+        return RunData(None, batches, None), VaswaniForConditionalGeneration(config)
 
     never = 10**9
     settings = TrainingConfig(
@@ -300,13 +315,12 @@ def training_run(args: argparse.Namespace, config, workdir: Path, compile: bool 
         eval_steps=never, save_steps=never, save_minutes=0, bleu_sentences=0,
         mixed_precision=args.mixed_precision, compile=compile, peak_tflops=args.peak_tflops,
     )  # fmt: skip
-    run = ProfiledRun(settings)
-    run.progress.close()
-    run.progress = tqdm(disable=True)
+    os.environ["TQDM_DISABLE"] = "1"  # no progress bar in the time measured
+    run = build_run(settings, load=load)
 
     def step(batch) -> None:
-        run.stream = iter([(0, 1, batch)])  # the one micro-batch of this step (update_freq 1)
-        loss = run.optimizer_step()
+        batches.feed(batch)
+        loss = run.steps.optimizer_step()
         if loss is not None:  # None: a non-finite loss, skipped as `train` skips it
             run.after_step(loss)
 
@@ -318,7 +332,7 @@ def save_models(args: argparse.Namespace, config, workdir: Path) -> Path:
     import torch
 
     from vaswani_transformer import VaswaniForConditionalGeneration
-    from vaswani_transformer.convert import to_marian
+    from vaswani_transformer.exchange.marian import to_marian
 
     preset_dir = workdir / "saved" / args.preset  # benchmark's layout: its train_batches.pt one folder up
     if not (preset_dir / "marian").is_dir():
@@ -354,7 +368,7 @@ def timed_steps(step, batches: list, device: str) -> float:
 
 
 def throughput(config, batches: list, seconds: float, peak: float | None) -> dict:
-    from vaswani_transformer.flops import training_flops
+    from vaswani_transformer.training.flops import training_flops
 
     source = sum(int(b["attention_mask"].sum()) for b in batches)
     target = sum(int(b["labels"].ne(-100).sum()) for b in batches)
@@ -542,7 +556,7 @@ def marian_turns(args: argparse.Namespace, config, batches: list, workdir: Path,
     """Ours and HF Marian (identical weights) taking turns on the same batches: `benchmark_train.child_train_turns`."""
     import torch
 
-    from vaswani_transformer.flops import training_flops
+    from vaswani_transformer.training.flops import training_flops
 
     preset_dir = save_models(args, config, workdir)
     torch.save([dict(b) for b in batches], preset_dir.parent / "train_batches.pt")
@@ -615,7 +629,7 @@ def child_compile(args: argparse.Namespace) -> None:
     """In the child: `train --compile`'s step on the batches padded to multiples of 8; one JSON line per step."""
     import torch
 
-    from vaswani_transformer.flops import training_flops
+    from vaswani_transformer.training.flops import training_flops
 
     folder = args.child_compile
     source = json.loads((folder / "source.json").read_text())
@@ -682,7 +696,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for the smoke test)")
     from vaswani_transformer import VaswaniForConditionalGeneration
-    from vaswani_transformer.flops import peak_flops
+    from vaswani_transformer.training.flops import peak_flops
 
     report = Report(args.out)
     report.save(environment=environment(args), settings={k: str(v) for k, v in vars(args).items()})
@@ -703,7 +717,7 @@ def main() -> None:
         # 1. The real step's throughput.
         try:
             run, step = training_run(args, config, workdir)
-            report.save(step="training.TrainingRun.optimizer_step + after_step (train's loop), eager")
+            report.save(step="TrainingRun.steps.optimizer_step + after_step (train's loop), eager")
         except Exception as error:  # noqa: BLE001  (one shot on a lent GPU: measure what can be measured)
             report.log("TrainingRun failed, falling back to scripts/benchmark_train.py's step:", repr(error))
             run, step = None, fallback_step(args, config, workdir)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the project with its test dependencies and runs the test suite at both ends of every supported
 # range (docs/compatibility.md): the whole suite with the newest releases in this environment; the tests that touch
-# transformers (modeling, generation, pipeline, Trainer, remote code, Hub) with pyproject.toml's lower bounds in a
+# transformers (the model folder's, the Trainer's, the Hub's) with pyproject.toml's lower bounds in a
 # second environment, .venv-oldest. Exits non-zero on failure. Arguments, if any, replace both runs' selections.
 # PyTorch is pinned first, by pip, which reads the machine's pip configuration: its CPU build lies on the project's
 # machines, and an unpinned `torch` requirement with no torch installed would pull a multi-GB CUDA build.
@@ -45,12 +45,7 @@ if ! wait "$oldest_install"; then
 fi
 
 selection=("$@")
-[ $# -gt 0 ] || selection=(
-    tests/test_configuration_vaswani.py tests/test_layers_vaswani.py tests/test_modeling_vaswani.py
-    tests/test_loading_vaswani.py tests/test_generation_vaswani.py tests/test_beam_search_vaswani.py
-    tests/test_cache_vaswani.py tests/test_pipeline_vaswani.py tests/test_compat_vaswani.py tests/test_finetune.py
-    tests/test_hub.py
-)
+[ $# -gt 0 ] || selection=(tests/model tests/test_finetune.py tests/exchange/test_hub.py)
 # The oldest end's run, one worker, beside the newest's; its report follows the newest's. Without
 # VASWANI_OTHER_END_PYTHON: the newest run saves under each end and loads under the other.
 # Both ends test the small model of tests/conftest.py trained once, by whichever asks first, in $logs.

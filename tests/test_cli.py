@@ -16,7 +16,7 @@ from conftest import cli_arguments, mini_run, needs_fork, tag_with_process
 from huggingface_hub import ModelCard
 
 from vaswani_transformer.cli import build_parser, main
-from vaswani_transformer.training_config import TrainingConfig
+from vaswani_transformer.training.config import TrainingConfig
 
 SENTENCE = "A man is riding a bicycle down the street."
 
@@ -65,7 +65,7 @@ def test_train_needs_one_of_max_steps_and_max_minutes_and_its_help_says_so(capsy
 
 
 def test_train_options_reach_the_training_config(monkeypatch, tmp_path):
-    import vaswani_transformer.training as training
+    import vaswani_transformer.training.run as training
 
     seen = []
     monkeypatch.setattr(training, "train", lambda config: seen.append(config) or tmp_path)
@@ -91,7 +91,7 @@ def test_train_options_reach_the_training_config(monkeypatch, tmp_path):
 
 
 def test_every_training_config_round_trips_through_the_command_line(monkeypatch, tmp_path):
-    import vaswani_transformer.training as training
+    import vaswani_transformer.training.run as training
 
     seen = []
     monkeypatch.setattr(training, "train", lambda config: seen.append(config) or tmp_path)
@@ -171,15 +171,17 @@ def test_evaluate_rejects_misaligned_files_in_one_line(trained_model_dir, tmp_pa
 
 
 def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained_model_dir, corpus, tmp_path, capsys):
-    from vaswani_transformer.inference import load_translator
-    from vaswani_transformer.translation import translate
+    from vaswani_transformer.inference.engines import load_translator
+    from vaswani_transformer.inference.translation import translate
 
     sources = corpus["test_2016_flickr"]["en"][:40]
     (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
     (tmp_path / "test.de").write_text("\n".join(corpus["test_2016_flickr"]["de"][:40]) + "\n")
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     # One batch of all 40 both ways: translate_stream and translate group lines into batches differently.
-    expected = {alpha: translate(model, tokenizer, sources, 64, length_penalty=alpha) for alpha in (0.0, 3.0)}
+    expected = {
+        alpha: translate(model, tokenizer, sources, batch_size=64, length_penalty=alpha) for alpha in (0.0, 3.0)
+    }
     # The penalty must matter on this model for the check to mean anything: a larger alpha favours longer outputs.
     assert expected[0.0] != expected[3.0]
     assert sum(len(t.split()) for t in expected[3.0]) > sum(len(t.split()) for t in expected[0.0])
@@ -199,16 +201,16 @@ def test_translate_and_evaluate_decode_with_the_length_penalty_asked_for(trained
 def test_translate_and_evaluate_hand_batches_to_worker_processes(
     trained_model_dir, corpus, tmp_path, capsys, monkeypatch
 ):
-    from vaswani_transformer.inference import load_translator
-    from vaswani_transformer.translation import translate, translate_stream
+    from vaswani_transformer.inference.engines import load_translator
+    from vaswani_transformer.inference.translation import translate, translate_stream
 
     sources = corpus["test_2016_flickr"]["en"][:24]
     (tmp_path / "test.en").write_text("\n".join(sources) + "\n")
     (tmp_path / "test.de").write_text("\n".join(corpus["test_2016_flickr"]["de"][:24]) + "\n")
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
     expected = {
-        "translate": list(translate_stream(model, tokenizer, sources, 4)),
-        "evaluate": translate(model, tokenizer, sources, 4),
+        "translate": list(translate_stream(model, tokenizer, sources, batch_size=4)),
+        "evaluate": translate(model, tokenizer, sources, batch_size=4),
     }
     tag_with_process(monkeypatch)
     options = ["--model", str(trained_model_dir), "--batch-size", "4", "--num-workers", "2"]
@@ -229,8 +231,8 @@ def test_translate_writes_an_html_document_back_with_its_markup_and_a_text_file_
     import html
     import io
 
-    from vaswani_transformer.inference import load_translator
-    from vaswani_transformer.translation import translate
+    from vaswani_transformer.inference.engines import load_translator
+    from vaswani_transformer.inference.translation import translate
 
     first, second, third = corpus["test_2016_flickr"]["en"][:3]
     model, tokenizer = load_translator(str(trained_model_dir), "cpu")
@@ -378,8 +380,8 @@ print("imported:", sorted({name.split(".")[0] for name in sys.modules} & {"torch
     [
         "import vaswani_transformer",
         "import transformers, vaswani_transformer",
-        "from vaswani_transformer.configuration_vaswani import VaswaniConfig",  # imports transformers itself
-        "from vaswani_transformer.modeling_vaswani import VaswaniModel",
+        "from vaswani_transformer.model.configuration_vaswani import VaswaniConfig",  # imports transformers itself
+        "from vaswani_transformer.model.modeling_vaswani import VaswaniModel",
     ],
 )
 def test_the_auto_classes_know_the_model_whichever_module_is_imported_first(first):

@@ -1,12 +1,18 @@
-"""The same seed on CPU gives bit-identical weights after training (docs/robustness.md, "Determinism")."""
+"""The same seed on CPU gives bit-identical weights, and a loaded model the same translations whatever the load
+(docs/robustness.md, "Determinism")."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import MINI_MODEL
 from safetensors.torch import load_file
 
-from vaswani_transformer.training import TrainingConfig, train
+from vaswani_transformer.training.config import TrainingConfig
+from vaswani_transformer.training.run import train
 
 
 def _train_a_few_steps(files: dict, output_dir: Path, seed: int) -> Path:
@@ -44,3 +50,44 @@ def test_the_same_seed_gives_bit_identical_weights_and_another_seed_does_not(mul
     weights, other_weights = load_file(first / "model.safetensors"), load_file(other / "model.safetensors")
     assert weights.keys() == other_weights.keys()
     assert not all(torch.equal(weights[name], other_weights[name]) for name in weights)
+
+
+TRANSLATE = """
+import json, sys
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+import vaswani_transformer
+torch.set_num_threads(2)
+model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1]).eval()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+sources = json.loads(sys.argv[2])
+translations = []
+for start in range(0, len(sources), 64):
+    batch = tokenizer(sources[start : start + 64], padding=True, return_tensors="pt")
+    translations += tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True)
+print(json.dumps(translations))
+"""
+
+
+@pytest.mark.heavy
+def test_a_model_loaded_beside_two_busy_neighbours_translates_as_one_loaded_alone(trained_model_dir, test_sentences):
+    # Loading measures nothing (no kernel is chosen by timing it), so a loaded CPU on two threads changes no
+    # translation: 256 held-out sentences, the paper's beam search, in a process alone and in one beside two
+    # processes that keep every core busy.
+    sources = json.dumps(test_sentences[0][:256])
+
+    def translate() -> list[str]:
+        run = subprocess.run([sys.executable, "-c", TRANSLATE, str(trained_model_dir), sources], capture_output=True)
+        assert run.returncode == 0, run.stderr.decode()
+        return json.loads(run.stdout)
+
+    alone = translate()
+    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        beside_neighbours = translate()
+    finally:
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
+    assert len(alone) == 256 and len(set(alone)) > 100  # real, varied translations
+    assert beside_neighbours == alone

@@ -19,17 +19,17 @@ from transformers import AutoConfig, AutoTokenizer
 
 from vaswani_transformer import VaswaniConfig
 from vaswani_transformer.cli import main
-from vaswani_transformer.data import iter_lines, load_parallel_corpus
-from vaswani_transformer.files import ensure_writable
-from vaswani_transformer.generation_vaswani import paper_generation_config
-from vaswani_transformer.hub import save_translator
-from vaswani_transformer.inference import Engine, load_translator
-from vaswani_transformer.inference_config import ENGINES, InferenceConfig
-from vaswani_transformer.translation import (
+from vaswani_transformer.data.corpora import iter_lines, load_parallel_corpus
+from vaswani_transformer.exchange.saving import save_translator
+from vaswani_transformer.inference.config import ENGINES, InferenceConfig
+from vaswani_transformer.inference.engines import Engine, load_translator
+from vaswani_transformer.inference.translation import (
     corpus_bleu,
     translate,
     translate_stream,
 )
+from vaswani_transformer.model.generation_vaswani import paper_generation_config
+from vaswani_transformer.utils.files import ensure_writable
 
 LIMIT = 12  # model_max_length of the saved translator's tokenizer, in tokens
 LONG = "A man in a blue shirt is standing on a ladder cleaning the windows of a tall building."
@@ -247,9 +247,9 @@ def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplo
     model, tokenizer = translator
     assert len(tokenizer(LONG)["input_ids"]) > LIMIT
     sentences = ["A dog.", LONG, LONG + " Again."]
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.inference.translation"):
         translations = translate(model, tokenizer, sentences, long_inputs="truncate", num_beams=1)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.translation"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.inference.translation"]
     assert len(translations) == 3 and len(warnings) == 1, warnings
     assert f"Sentence 2 has {len(tokenizer(LONG)['input_ids'])} tokens" in warnings[0]
     assert f"truncated to {LIMIT} tokens" in warnings[0] and "--long-inputs error" in warnings[0]
@@ -267,9 +267,10 @@ def test_long_inputs_are_truncated_with_one_warning_or_refused(translator, caplo
 def test_a_stream_warns_once_and_numbers_lines_from_its_start(translator, caplog):
     model, tokenizer = translator
     lines = ["A dog.", LONG, "A cat.", LONG]
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.translation"):
-        assert len(list(translate_stream(model, tokenizer, lines, 1, "truncate", num_beams=1))) == 4
-    assert len([r for r in caplog.records if r.name == "vaswani_transformer.translation"]) == 1
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.inference.translation"):
+        streamed = translate_stream(model, tokenizer, lines, batch_size=1, long_inputs="truncate", num_beams=1)
+        assert len(list(streamed)) == 4
+    assert len([r for r in caplog.records if r.name == "vaswani_transformer.inference.translation"]) == 1
     stream = translate_stream(model, tokenizer, lines, batch_size=2, long_inputs="error", num_beams=1)
     with pytest.raises(ValueError, match="^Sentence 2 has"):
         next(stream)
@@ -555,7 +556,7 @@ def test_a_byte_order_mark_is_removed_with_one_warning_from_corpora_and_input(mu
     targets = (multi30k_dir / "train.de").read_text(encoding="utf-8").splitlines()[:3]
     (tmp_path / "train.en").write_text("\n".join(sources) + "\n", encoding="utf-8-sig")  # the BOM first
     (tmp_path / "train.de").write_text("\n".join(targets) + "\n", encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data.corpora"):
         corpus = load_parallel_corpus(tmp_path, "en", "de")
     assert corpus["train"]["en"] == sources and corpus["train"]["de"] == targets
     assert [r.getMessage() for r in caplog.records] == [
@@ -567,7 +568,7 @@ def test_a_byte_order_mark_is_removed_with_one_warning_from_corpora_and_input(mu
 def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines_with_one_warning(tmp_path, caplog):
     (tmp_path / "train.en").write_bytes(b"one\rstill one\ntwo\r\nthree\rstill three\n")
     (tmp_path / "train.de").write_bytes(b"eins\r\nzwei\r\ndrei\r\n")
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.data.corpora"):
         corpus = load_parallel_corpus(tmp_path, "en", "de")
     assert corpus["train"]["en"] == ["one\rstill one", "two", "three\rstill three"]
     assert corpus["train"]["de"] == ["eins", "zwei", "drei"]
@@ -584,14 +585,14 @@ def test_a_lone_carriage_return_stays_inside_its_line_as_wc_counts_lines_with_on
 def test_training_without_a_validation_split_says_what_that_means_once(mini_corpus, tmp_path, caplog):
     from conftest import mini_run
 
-    from vaswani_transformer.training import train
+    from vaswani_transformer.training.run import train
 
     corpus = shutil.copytree(mini_corpus, tmp_path / "corpus")
     for lang in ("en", "de"):
         (corpus / f"val.{lang}").unlink()
-    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.training"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.training.run"):
         train(mini_run(corpus, tmp_path / "run", max_steps=3, save_steps=3, average_last=1))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.training"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.training.run"]
     assert len(warnings) == 1 and "No validation split" in warnings[0] and "no best checkpoint" in warnings[0]
 
 

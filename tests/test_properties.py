@@ -12,7 +12,7 @@ from conftest import random_model
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from vaswani_transformer.tokenization import SPECIAL_TOKENS
+from vaswani_transformer.data.tokenizer import SPECIAL_TOKENS
 
 VOCAB = 100
 PAD, EOS = 0, 2

@@ -18,11 +18,11 @@ __all__ = ["PRESETS", "VaswaniConfig", "VaswaniForConditionalGeneration", "Vaswa
 __version__ = "0.2.0"
 
 _MODULE_OF = {
-    "PRESETS": "configuration_vaswani",
-    "VaswaniConfig": "configuration_vaswani",
-    "VaswaniForConditionalGeneration": "modeling_vaswani",
-    "VaswaniModel": "modeling_vaswani",
-    "VaswaniPreTrainedModel": "modeling_vaswani",
+    "PRESETS": "model.configuration_vaswani",
+    "VaswaniConfig": "model.configuration_vaswani",
+    "VaswaniForConditionalGeneration": "model.modeling_vaswani",
+    "VaswaniModel": "model.modeling_vaswani",
+    "VaswaniPreTrainedModel": "model.modeling_vaswani",
 }
 
 
@@ -39,8 +39,8 @@ def __dir__() -> list[str]:
 def _register() -> None:
     from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
-    from .configuration_vaswani import VaswaniConfig
-    from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
+    from .model.configuration_vaswani import VaswaniConfig
+    from .model.modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel
 
     AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig)
     AutoModel.register(VaswaniConfig, VaswaniModel)

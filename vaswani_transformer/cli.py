@@ -11,10 +11,8 @@ import contextlib
 import importlib
 import importlib.util
 import json
-import logging
 import os
 import sys
-from collections import deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import BrokenExecutor
 from dataclasses import MISSING, fields
@@ -23,7 +21,7 @@ from types import UnionType
 from typing import TYPE_CHECKING, get_args, get_origin
 
 if TYPE_CHECKING:  # imported where a command runs: `--help` needs neither torch nor transformers
-    from .inference_config import InferenceConfig
+    from .inference.config import InferenceConfig
 
 
 def _model_option(text: str) -> tuple[str, object]:
@@ -48,13 +46,13 @@ def _add_num_workers(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_inference_options(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
-    from .inference_config import InferenceConfig
+    from .inference.config import InferenceConfig
 
     _add_config_options(parser, InferenceConfig, {}, skip)
 
 
 def _inference_config(args: argparse.Namespace) -> "InferenceConfig":
-    from .inference_config import InferenceConfig
+    from .inference.config import InferenceConfig
 
     # A command without an option (evaluate's split_sentences) takes the field's default.
     given = [name for name in _option_names(InferenceConfig) if hasattr(args, name)]
@@ -99,7 +97,7 @@ def _add_config_options(
 
 
 def _add_training_options(train: argparse.ArgumentParser) -> None:
-    from .training_config import TrainingConfig
+    from .training.config import TrainingConfig
 
     # The corpus options, which fill `TrainingConfig.data` and `files`, come first.
     corpus = train.add_argument_group("corpus")
@@ -151,7 +149,7 @@ def _add_translate_options(translate: argparse.ArgumentParser) -> None:
 
 
 def _add_push_options(push: argparse.ArgumentParser) -> None:
-    from .hub import COMMIT_MESSAGE
+    from .exchange.hub import COMMIT_MESSAGE
 
     push.add_argument("output_dir", metavar="OUTPUT_DIR", help="directory written by `train`")
     push.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
@@ -182,7 +180,7 @@ def _add_convert_options(convert: argparse.ArgumentParser) -> None:
 
 
 def _add_export_options(export: argparse.ArgumentParser) -> None:
-    from .convert import DEFAULT_MAX_POSITIONS
+    from .exchange.marian import DEFAULT_MAX_POSITIONS
 
     export.add_argument("model_dir", metavar="MODEL_DIR", help="model directory with its tokenizer, as `train` writes")
     export.add_argument("output_dir", metavar="OUT_DIR", help="where to write the CTranslate2 model")
@@ -202,7 +200,7 @@ def _add_export_options(export: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_options(serve: argparse.ArgumentParser) -> None:
-    from .serving_config import ServingConfig
+    from .serving.config import ServingConfig
 
     serve.add_argument(
         "models",
@@ -241,10 +239,10 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 
 
 def _train(args: argparse.Namespace) -> None:
-    from .data import corpus_location
-    from .files import ensure_writable
-    from .training import train
-    from .training_config import TrainingConfig
+    from .data.corpora import corpus_location
+    from .training.config import TrainingConfig
+    from .training.run import train
+    from .utils.files import ensure_writable
 
     files = {}
     if args.train_files:
@@ -264,7 +262,7 @@ def _train(args: argparse.Namespace) -> None:
 
 def _train_interrupted(output_dir: str) -> str:
     # What Ctrl-C in `train` leaves, and how to go on: KeyboardInterrupt's traceback says neither.
-    from .checkpoints import list_checkpoints
+    from .training.checkpoints import list_checkpoints
 
     saved = list_checkpoints(Path(output_dir) / "checkpoints")
     if not saved:
@@ -272,211 +270,42 @@ def _train_interrupted(output_dir: str) -> str:
     return f"interrupted; the last checkpoint is {saved[-1]}: run the same command with --resume to continue from it."
 
 
-def _batch_size(args: argparse.Namespace, config: "InferenceConfig") -> int:
-    from .inference_config import BATCH_SIZE
-
-    if config.batch_size is not None:
-        return config.batch_size
-    interactive = getattr(args, "input", None) == "-" and sys.stdin.isatty()
-    return 1 if interactive else BATCH_SIZE
-
-
 def _evaluate(args: argparse.Namespace) -> None:
-    from .data import iter_lines
-    from .files import ensure_writable
-    from .inference import load_engine
-    from .translation import corpus_bleu, translate
+    from .inference.evaluation import evaluate_test_set
 
-    config = _inference_config(args)
-    sources, references = list(iter_lines(args.source)), list(iter_lines(args.reference))
-    if len(sources) != len(references):
-        raise ValueError(
-            f"{args.source} has {len(sources)} lines but {args.reference} has {len(references)}; they must be aligned."
-        )
-    if not sources:
-        raise ValueError(f"{args.source} is empty: give a test set with one sentence per line.")
-    if args.output:
-        for option, path in (("--source", args.source), ("--reference", args.reference)):
-            if Path(args.output).exists() and os.path.samefile(args.output, path):  # links, hard or symbolic, too
-                raise ValueError(
-                    f"--output {args.output} is the {option} file: the translations would overwrite it. "
-                    "Name another file."
-                )
-        _refuse_a_file_of_the_model(args.output, args.model)
-        ensure_writable(args.output, is_file=True)
-    engine = load_engine(args.model, config)
-    own = engine.generation_config
-    other_engine = config.engine != "torch"  # nearly always the same translations, but not the model's generate()
-    other_decoding = other_engine or any(getattr(own, name) != v for name, v in config.generate_kwargs.items())
-    record = Path(args.model).is_dir() and not args.no_model_card  # a local model's card
-    unnamed = not Path(args.source).is_file() and not (args.dataset_name and args.split)  # a pipe names no test set
-    card = Path(args.model) / "README.md"
-    if record and not other_decoding and not unnamed:  # before the translations, not after them
-        try:
-            ensure_writable(card, is_file=True)
-        except OSError as error:
-            raise OSError(
-                f"the score goes into the model card {card}, which cannot be written "
-                f"({getattr(error.__cause__, 'strerror', None) or error}): pass --no-model-card, or fix the permissions"
-            ) from error
-    hypotheses = translate(
-        engine,
-        engine.tokenizer,
-        sources,
-        _batch_size(args, config),
-        True,
-        config.long_inputs,
-        args.num_workers,
-        split_sentences=False,
+    evaluation = evaluate_test_set(
+        args.model,
+        args.source,
+        args.reference,
+        _inference_config(args),
+        output=args.output,
+        num_workers=args.num_workers,
+        model_card=not args.no_model_card,
+        dataset_name=args.dataset_name,
+        split=args.split,
+        on_report=lambda report: print(json.dumps(report)),
     )
-    if args.output:
-        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    bleu = corpus_bleu(hypotheses, references)
-    # Papers on small test sets (Multi30k) often report BLEU on lowercased, tokenized text; it reads higher.
-    lowercased = corpus_bleu(hypotheses, references, lowercase=True)
-    report = {"bleu": round(bleu["score"], 2), "signature": bleu["signature"], "sentences": len(sources)}
-    report.update(bleu_lowercased=round(lowercased["score"], 2), signature_lowercased=lowercased["signature"])
-    print(json.dumps(report))
-    if record and other_decoding:
-        print("The model card is left as it is: this score is not of the model's own generate().", file=sys.stderr)
-    elif record and unnamed:
-        print(
-            "The model card is left as it is: a pipe's score needs --dataset-name and --split.",
-            file=sys.stderr,
-        )
-    elif record:
-        from huggingface_hub import EvalResult
-
-        from .hub import write_model_card
-
-        dataset = args.dataset_name or Path(args.source).resolve().parent.name
-        split = args.split or Path(args.source).stem
-        result = EvalResult(
-            task_type="translation",
-            dataset_type=dataset,
-            dataset_name=dataset,
-            dataset_split=split,
-            metric_type="sacrebleu",
-            metric_name="sacreBLEU",
-            metric_value=round(bleu["score"], 2),
-            metric_config=bleu["signature"],
-        )
-        write_model_card(args.model, eval_result=result)
-
-
-# What loading a model reads and what training writes beside it. Translations may join a model's directory (the
-# recipe writes its test sets' there), but never replace or add one of these, by name or through a link.
-_MODEL_FILES = (
-    "*.json",
-    "*.jsonl",
-    "*.safetensors",
-    "*.bin",
-    "*.py",
-    "*.md",
-    "*.png",
-    "checkpoints/*",
-    "ctranslate2/*",
-)
-
-
-def _refuse_a_file_of_the_model(output: str, model: str) -> None:
-    model_dir = Path(model).resolve()
-    if not model_dir.is_dir():
-        return
-    target = Path(output).resolve()
-    named = model_dir in target.parents and any(target.relative_to(model_dir).match(p) for p in _MODEL_FILES)
-    linked = target.is_file() and any(
-        os.path.samefile(target, file) for pattern in _MODEL_FILES for file in model_dir.glob(pattern) if file.is_file()
-    )
-    if named or linked:
-        raise ValueError(
-            f"--output {output} is a file of the model in {model} ({', '.join(_MODEL_FILES)}), or a link to one: the "
-            "translations would overwrite the model. Name another file."
-        )
+    if evaluation.card.note:
+        print(evaluation.card.note, file=sys.stderr)
 
 
 def _translate(args: argparse.Namespace) -> None:
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    from .inference.input_translation import translate_input
 
-    from .data import iter_lines
-    from .files import ensure_writable
-    from .inference import load_engine, model_languages
-    from .text_format import file_format
-    from .translation import translate_stream
-
-    config = _inference_config(args)
-    chosen = config.input_format if config.input_format != "auto" else file_format(args.input) or "text"
-    if args.attention_dir and config.engine != "torch":
-        raise ValueError("--attention-dir draws the model's own attention weights: use it with --engine torch.")
-    if args.attention_dir and chosen == "html":
-        raise ValueError("--attention-dir draws each line's attention: translate an HTML document without it.")
-    if args.attention_dir:
-        ensure_writable(args.attention_dir)
-        from .plotting import _pyplot
-
-        _pyplot()  # before any line is translated, not after the first
-    if args.num_workers > 1 and args.input == "-" and sys.stdin.isatty():
-        raise ValueError(
-            "--num-workers above 1 translates batches ahead, so a typed line would wait for the lines after it: "
-            "use it with --input FILE or piped input, or leave it at 1 in a terminal."
-        )
-    lines = iter_lines(sys.stdin.buffer if args.input == "-" else args.input)
-    total = None
-    if chosen == "html":  # one text, read before the model loads: a document's markup spans its lines
-        lines, total = iter(["\n".join(lines)]), 1
-    elif args.input != "-" and Path(args.input).is_file():  # a pipe (`<(...)`) cannot be read twice
-        with open(args.input, "rb") as handle:
-            total = sum(1 for _ in handle)  # lines as iter_lines counts them
-    engine = load_engine(args.model, config)
-    tokenizer = engine.tokenizer
-    if args.attention_dir:  # the torch engine, as checked above
-        from .plotting import attention_maps, plot_attention
-
-        model = engine.model
-        model.set_attn_implementation("eager")  # the only implementation that returns attention weights
-    sources: deque[str] = deque()
-
-    def remembered(lines):
-        for line in lines:
-            sources.append(line.rstrip("\n"))
-            yield line
-
-    try:  # the source language picks the segmenter's rules (abbreviations, punctuation)
-        source_lang = model_languages(args.model)[0]
-    except ValueError:  # a model that does not say: English's rules
-        source_lang = None
-    stream = translate_stream(
-        engine,
-        tokenizer,
-        remembered(lines),
-        _batch_size(args, config),
-        config.long_inputs,
-        args.num_workers,
-        config.split_sentences,
-        source_lang,
-        chosen,
+    translate_input(
+        args.model,
+        args.input,
+        _inference_config(args),
+        write=lambda translation: print(translation, flush=True),
+        num_workers=args.num_workers,
+        attention_dir=args.attention_dir,
     )
-    # A progress bar (on stderr) for files, in sentences translated, with the time left; stdin is answered line by
-    # line without one. Log records are written above the bar, and it ends its line before an error is printed.
-    with (
-        logging_redirect_tqdm([logging.root, logging.getLogger("transformers")]),
-        tqdm(total=total, unit="sent", desc="Translating", disable=args.input == "-") as progress,
-    ):
-        for number, translation in enumerate(stream, 1):
-            print(translation, flush=True)
-            progress.update()
-            source = sources.popleft()
-            if args.attention_dir and source.strip():
-                output, source_tokens, target_tokens = attention_maps(model, tokenizer, source, translation)
-                path = Path(args.attention_dir) / f"sentence-{number}.png"
-                plot_attention(output, source_tokens, target_tokens, "cross", -1, path)
 
 
 def _push(args: argparse.Namespace) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
-    from .hub import push_translator
+    from .exchange.hub import push_translator
 
     # The connection errors of huggingface_hub's HTTP client (httpx2 or httpx, by version) are no OSError.
     unreachable = tuple(
@@ -485,7 +314,7 @@ def _push(args: argparse.Namespace) -> None:
         if importlib.util.find_spec(client)
     )
     try:
-        print(push_translator(args.output_dir, args.repo_id, args.private, args.commit_message))
+        print(push_translator(args.output_dir, args.repo_id, private=args.private, commit_message=args.commit_message))
     except HfHubHTTPError as error:  # authentication, permissions: one line, not a traceback
         raise OSError(f"the Hub refused the upload to {args.repo_id}: {error}") from error
     except unreachable as error:
@@ -495,29 +324,37 @@ def _push(args: argparse.Namespace) -> None:
 
 
 def _average(args: argparse.Namespace) -> None:
-    from .checkpoints import average_run_checkpoints
+    from .training.checkpoints import average_run_checkpoints
 
     print(average_run_checkpoints(args.run_dir, args.last, args.output_dir))
 
 
 def _convert_marian(args: argparse.Namespace) -> None:
-    from .convert import convert_marian_directory
+    from .exchange.marian import convert_marian_directory
 
     print(convert_marian_directory(args.source_dir, args.output_dir, paper_decoding=args.paper_decoding))
 
 
 def _export_ctranslate2(args: argparse.Namespace) -> None:
-    from .export import export_ctranslate2
+    from .exchange.ctranslate2 import write_ctranslate2_export
 
-    print(export_ctranslate2(args.model_dir, args.output_dir, args.quantization, args.max_positions, args.force))
+    print(
+        write_ctranslate2_export(
+            args.model_dir,
+            args.output_dir,
+            quantization=args.quantization,
+            max_positions=args.max_positions,
+            force=args.force,
+        )
+    )
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from .serving_config import ServingConfig
+    from .serving.config import ServingConfig
 
     config = ServingConfig(**{name: getattr(args, name) for name in _option_names(ServingConfig)})
     inference = _inference_config(args)
-    from .serving import serve
+    from .serving.app import serve
 
     serve(args.models, config, inference, args.source_lang, args.target_lang)
 

@@ -1,0 +1,1 @@
+"""`vaswani-transformer serve`: the LibreTranslate API over HTTP (FastAPI), micro-batched."""

@@ -1,0 +1,1 @@
+"""Foundations with no knowledge of the model: safe file writes, config fields with their help, plots."""
