@@ -15,8 +15,9 @@ from vaswani_transformer.model import compat_vaswani
 
 MODEL_DIR = REPOSITORY / "vaswani_transformer" / "model"
 
-# A model saved by release 0.1 with its code (tests/fixtures/make_saved_model.py) and what it translated then.
-SAVED_0_1 = REPOSITORY / "tests" / "fixtures" / "saved_model_0.1"
+# Models saved by releases 0.1 and 0.2 with their code (tests/fixtures/make_saved_model.py) and what they translated
+# then: 0.2's code is the last that chose kernels by measuring them, and laid the package out flat.
+FIXTURES = REPOSITORY / "tests" / "fixtures"
 # The Python of the other end of the supported range (scripts/test.sh sets it), for saving under one end and
 # loading under the other.
 OTHER_END = os.environ.get("VASWANI_OTHER_END_PYTHON")
@@ -119,11 +120,15 @@ def test_generate_decodes_with_the_cache_the_running_release_passes(tokenizer, t
     assert torch.equal(cached, uncached)
 
 
-def test_a_model_saved_by_release_0_1_translates_as_it_did_with_and_without_the_package(multi30k_dir, tmp_path):
-    expected = (SAVED_0_1 / "expected.de").read_text(encoding="utf-8").splitlines()
+@pytest.mark.parametrize("release", ["0.1", "0.2"])
+def test_a_model_saved_by_an_earlier_release_translates_as_it_did_with_and_without_the_package(
+    multi30k_dir, tmp_path, release
+):
+    saved = FIXTURES / f"saved_model_{release}"
+    expected = (saved / "expected.de").read_text(encoding="utf-8").splitlines()
     sources = (multi30k_dir / "test_2016_flickr.en").read_text(encoding="utf-8").splitlines()[: len(expected)]
-    assert translate_with_package(SAVED_0_1, sources) == expected
-    without = translate_without_package(SAVED_0_1, sources, tmp_path)
+    assert translate_with_package(saved, sources) == expected
+    without = translate_without_package(saved, sources, tmp_path)
     assert without["generate"] == without["pipeline"] == expected
 
 
