@@ -79,6 +79,8 @@ def machine(device: str) -> dict:
         "transformers": transformers.__version__,
         "ctranslate2": ctranslate2_version,
         "sacrebleu": version("sacrebleu"),  # the translate tasks' BLEU
+        # Our decoding's float32 CPU products: PyTorch's own, or oneDNN's from this size (inference.cpu_kernels).
+        "onednn_min_product": os.environ.get("VASWANI_ONEDNN_MIN_PRODUCT"),
     }
 
 
@@ -99,8 +101,8 @@ def load_average() -> str:
 
 def report_stem(report: dict, task: str | None = None) -> str:
     """`DATE_DEVICE_COMMIT[_TASK]`: a run's file set in benchmarks/results/ (e.g. 2026-11-24_cpu-xeon-amx_1a2b3c4, with
-    `-bfloat16` after the vector extension for a CPU run of training in mixed precision, and `_ct2-engine` for the
-    task of that name)."""
+    `-bfloat16` after the vector extension for a CPU run of training in mixed precision, `_onednn-SIZE` for a run with
+    `VASWANI_ONEDNN_MIN_PRODUCT` set, and `_ct2-engine` for the task of that name)."""
     machine = report["machine"]
     if report["device"] == "cpu":
         extensions = machine["cpu_vector_extensions"]
@@ -110,8 +112,9 @@ def report_stem(report: dict, task: str | None = None) -> str:
         device = f"{machine['gpu']}-{report['dtype']}"
     device = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     compiled = "_compile" if report.get("compile") else ""
+    onednn = f"_onednn-{machine['onednn_min_product']}" if machine.get("onednn_min_product") else ""
     suffix = f"_{task}" if task else ""
-    return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}{compiled}{suffix}"
+    return f"{time.strftime('%Y-%m-%d')}_{device}_{machine['commit'] or 'nocommit'}{compiled}{onednn}{suffix}"
 
 
 def free_stem(directory: Path, name: str) -> Path:

@@ -43,8 +43,10 @@ def child_decode_torch(engine: str, task: str, args: argparse.Namespace) -> dict
 
     if engine == "ours":
         from vaswani_transformer import VaswaniForConditionalGeneration
+        from vaswani_transformer.inference.cpu_kernels import use_pinned_products
 
         model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours")
+        use_pinned_products(model)  # as `translate` loads it: oneDNN's products where VASWANI_ONEDNN_MIN_PRODUCT asks
     else:
         from transformers import MarianMTModel
 

@@ -46,6 +46,10 @@ def child_translate(engine: str, args: argparse.Namespace, workers: int = 1) -> 
         else:
             from transformers import MarianMTModel as Model
         model = Model.from_pretrained(args.workdir / engine).to(args.device, getattr(torch, args.dtype)).eval()
+        if engine == "ours":  # as `translate` loads it: oneDNN's products where VASWANI_ONEDNN_MIN_PRODUCT asks
+            from vaswani_transformer.inference.cpu_kernels import use_pinned_products
+
+            use_pinned_products(model)
         config = model.config
         model.generation_config = GenerationConfig(
             **options,

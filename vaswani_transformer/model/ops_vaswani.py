@@ -130,63 +130,8 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         # Autocast off inside: the operands' dtypes decide every product (under float16 autocast, products of
         # unscaled gradients would underflow).
         with torch.autocast(device, enabled=False) if autocast_dtype is not None else contextlib.nullcontext():
-            vocab_size = weight.shape[0]
-            # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
-            # launches few. At least 256 positions a chunk keep the matrix products efficient.
-            budget = 2**21 if hidden.device.type == "cpu" else 2**27
-            chunk = max(256, budget // vocab_size)
-            dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
-            keep = labels.ne(-100)
-            computed_hidden = hidden[keep] if drop_ignored else hidden
-            computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
-            weights = None if drop_ignored else keep[:, None].to(dtype)
-            loss = torch.zeros((), dtype=dtype, device=hidden.device)
-            grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
-            mixed = (
-                hidden.dtype != dtype or weight.dtype != dtype
-            )  # mixed precision: products in the hidden states' dtype
-            # Every chunk's logits go to one reused buffer: a product into a fresh block pays for faulting its pages in
-            # anew (docs/performance.md, "Fused projection and loss").
-            logits_buffer = hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
-            grad_weight = torch.zeros_like(weight, dtype=dtype)
-            grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
-            for start in range(0, computed_hidden.shape[0], chunk):
-                rows = slice(start, start + chunk)
-                logits = logits_buffer[: len(computed_hidden[rows])]
-                if mixed:
-                    logits.copy_(F.linear(computed_hidden[rows], weight, bias))
-                elif bias is not None:
-                    torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
-                else:
-                    torch.mm(computed_hidden[rows], weight.t(), out=logits)
-                target_logit = logits.gather(-1, computed_labels[rows]).squeeze(-1)
-                mean_logit = logits.mean(dim=-1)
-                # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
-                max_logit = logits.amax(dim=-1, keepdim=True)
-                probabilities = logits.sub_(max_logit).exp_()
-                normaliser = probabilities.sum(dim=-1, keepdim=True)
-                log_z = (max_logit + normaliser.log()).squeeze(-1)
-                losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
-                grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
-                grad.scatter_add_(-1, computed_labels[rows], grad.new_full((grad.shape[0], 1), epsilon - 1.0))
-                if weights is not None:
-                    losses = losses * weights[rows, 0]
-                    grad.mul_(weights[rows])
-                loss += losses.sum()
-                # G W, a linear map whose weight is W^T
-                grad_computed[rows] = F.linear(grad.to(weight.dtype), weight.t())
-                if mixed:  # the product in the hidden states' dtype, accumulated in float32
-                    grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
-                else:
-                    # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
-                    # again (docs/performance.md, "Fused projection and loss").
-                    grad_weight.addmm_(grad.t(), computed_hidden[rows])
-                if grad_bias is not None:
-                    grad_bias += grad.sum(dim=0)
-            grad_hidden = grad_computed
-            if drop_ignored:  # back to every position, zero where ignored
-                grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
-            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+            loss, *gradients = _chunked_loss_and_gradients(hidden, weight, bias, labels, epsilon, drop_ignored)
+            ctx.save_for_backward(*gradients)
             return loss
 
     @staticmethod
@@ -196,6 +141,84 @@ class LinearLabelSmoothedCrossEntropy(torch.autograd.Function):
         grads = [g * grad_output if g is not None else None for g in ctx.saved_tensors]
         grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)]
         return *grads, None, None, None
+
+
+def _chunked_loss_and_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    epsilon: float,
+    drop_ignored: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    # `LinearLabelSmoothedCrossEntropy.forward`'s work, a chunk of positions at a time: the summed loss and the
+    # gradients of the hidden states, W and b (None without a bias), in at least float32.
+    vocab_size = weight.shape[0]
+    # On the CPU, chunks of about 8 MiB of float32 logits; on accelerators, large chunks keep the kernel
+    # launches few. At least 256 positions a chunk keep the matrix products efficient.
+    budget = 2**21 if hidden.device.type == "cpu" else 2**27
+    chunk = max(256, budget // vocab_size)
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # a softmax over the vocabulary needs float32
+    keep = labels.ne(-100)
+    computed_hidden = hidden[keep] if drop_ignored else hidden
+    computed_labels = (labels[keep] if drop_ignored else labels.masked_fill(~keep, 0))[:, None]
+    weights = None if drop_ignored else keep[:, None].to(dtype)
+    loss = torch.zeros((), dtype=dtype, device=hidden.device)
+    grad_computed = torch.empty_like(computed_hidden, dtype=dtype)
+    mixed = hidden.dtype != dtype or weight.dtype != dtype  # mixed precision: products in the hidden states' dtype
+    # Every chunk's logits go to one reused buffer: a product into a fresh block pays for faulting its pages in
+    # anew (docs/performance.md, "Fused projection and loss").
+    logits_buffer = hidden.new_empty(min(chunk, len(computed_hidden)), vocab_size, dtype=dtype)
+    grad_weight = torch.zeros_like(weight, dtype=dtype)
+    grad_bias = torch.zeros(vocab_size, dtype=dtype, device=hidden.device) if bias is not None else None
+    for start in range(0, computed_hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = logits_buffer[: len(computed_hidden[rows])]
+        if mixed:
+            logits.copy_(F.linear(computed_hidden[rows], weight, bias))
+        elif bias is not None:
+            torch.addmm(bias, computed_hidden[rows], weight.t(), out=logits)
+        else:
+            torch.mm(computed_hidden[rows], weight.t(), out=logits)
+        losses, grad = _smoothed_loss_and_logits_gradient(logits, computed_labels[rows], epsilon)
+        if weights is not None:
+            losses = losses * weights[rows, 0]
+            grad.mul_(weights[rows])
+        loss += losses.sum()
+        # G W, a linear map whose weight is W^T
+        grad_computed[rows] = F.linear(grad.to(weight.dtype), weight.t())
+        if mixed:  # the product in the hidden states' dtype, accumulated in float32
+            grad_weight += grad.t().to(hidden.dtype) @ computed_hidden[rows]
+        else:
+            # Accumulated by MKL's product itself: a separate addition would pass over all of W's gradient
+            # again (docs/performance.md, "Fused projection and loss").
+            grad_weight.addmm_(grad.t(), computed_hidden[rows])
+        if grad_bias is not None:
+            grad_bias += grad.sum(dim=0)
+    grad_hidden = grad_computed
+    if drop_ignored:  # back to every position, zero where ignored
+        grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_put_((keep,), grad_computed)
+    return loss, grad_hidden, grad_weight, grad_bias
+
+
+def _smoothed_loss_and_logits_gradient(
+    logits: torch.Tensor, labels: torch.Tensor, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # One chunk's losses, logsumexp - (1 - epsilon) * logit_y - epsilon * mean(logits), `(rows,)`, and their
+    # gradient with respect to the logits, p - epsilon / V - (1 - epsilon) * one_hot(y), `(rows, V)`, computed in
+    # the logits' own storage. `labels` is `(rows, 1)`.
+    vocab_size = logits.shape[-1]
+    target_logit = logits.gather(-1, labels).squeeze(-1)
+    mean_logit = logits.mean(dim=-1)
+    # logsumexp and the softmax from one pass of exp, in place: the logits are spent.
+    max_logit = logits.amax(dim=-1, keepdim=True)
+    probabilities = logits.sub_(max_logit).exp_()
+    normaliser = probabilities.sum(dim=-1, keepdim=True)
+    log_z = (max_logit + normaliser.log()).squeeze(-1)
+    losses = log_z - (1.0 - epsilon) * target_logit - epsilon * mean_logit
+    grad = probabilities.div_(normaliser).sub_(epsilon / vocab_size)
+    grad.scatter_add_(-1, labels, grad.new_full((grad.shape[0], 1), epsilon - 1.0))
+    return losses, grad
 
 
 def linear_label_smoothed_cross_entropy(

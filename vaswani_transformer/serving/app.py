@@ -28,12 +28,13 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from importlib import resources
 from pathlib import Path
 
 try:
     import uvicorn
-    from fastapi import FastAPI, Request
+    from fastapi import APIRouter, FastAPI, Request
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException
@@ -105,12 +106,37 @@ def create_app(
         alternatives_limit: the most alternatives one text may ask for.
         file_size_limit: the most bytes of one file of `/translate_file`, kept in a temporary directory of the app's
             own (`serving_files.FileStore`), deleted when the app shuts down.
+
+    Raises:
+        OSError: the page cannot be read, or the temporary directory of the translated files cannot be made
+            (`FileStore`).
     """
     page = (resources.files("vaswani_transformer.serving") / "static" / "index.html").read_text(encoding="utf-8")
     by_pair = {(model.source, model.target): model for model in models}
     limits = models[0].limits  # the server's: every model is served with the same limits
     store = FileStore(file_size_limit)
+    app = FastAPI(
+        title="vaswani_transformer", lifespan=_lifespan(models, store), docs_url=None, redoc_url=None, openapi_url=None
+    )
+    _add_middleware(app, metrics)
+    _add_error_handlers(app)
+    app.include_router(_page_routes(page))
+    app.include_router(_model_routes(models, list(by_pair)))
+    app.include_router(_metrics_routes(metrics))
+    app.include_router(_detect_routes(limits, access, detector))
+    app.include_router(_translate_routes(by_pair, limits, access, detector, metrics, alternatives_limit))
+    app.include_router(file_routes(store, by_pair, access, detector, metrics))
+    return app
 
+
+# The paths `/metrics` labels by name (and `/download_file` for every file's).
+_MEASURED = frozenset({"/", "/health", "/languages", "/metrics", "/detect", "/translate", "/translate_file"})
+# HEAD answers as GET without the body (uvicorn drops it), as HTTP asks and monitors expect.
+_READ = ("GET", "HEAD")
+
+
+def _lifespan(models: list[ServedModel], store: FileStore) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    # The app's lifespan: at shutdown, each model's batcher closed and the translated files deleted.
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -119,12 +145,14 @@ def create_app(
             await asyncio.to_thread(model.batcher.close)
         store.close()
 
-    app = FastAPI(title="vaswani_transformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, metrics: ServingMetrics) -> None:
     # LibreTranslate answers browsers from any origin; so do we, for its web clients.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"])
-    # HEAD answers as GET without the body (uvicorn drops it), as HTTP asks and monitors expect.
-    read = ["GET", "HEAD"]
 
+    # Added last, so outermost: it counts the answers CORS gives itself (preflights) too.
     @app.middleware("http")
     async def measure(request: Request, call_next: Callable) -> Response:
         started = time.perf_counter()
@@ -136,6 +164,9 @@ def create_app(
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    # Every error answered in LibreTranslate's shape, `{"error": message}`; an unexpected one logged, as a 500.
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
         return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
@@ -149,11 +180,23 @@ def create_app(
         logger.error("Request failed: %r", error)
         return JSONResponse({"error": f"internal error: {type(error).__name__}"}, status_code=500)
 
-    @app.api_route("/", methods=read, response_class=HTMLResponse)
+
+def _page_routes(page: str) -> APIRouter:
+    # The page at `/`, to type a sentence and see its translation.
+    router = APIRouter()
+
+    @router.api_route("/", methods=_READ, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.api_route("/health", methods=read)
+    return router
+
+
+def _model_routes(models: list[ServedModel], pairs: list[tuple[str, str]]) -> APIRouter:
+    # What the server serves: `/health` (each model and its batching) and LibreTranslate's `/languages`.
+    router = APIRouter()
+
+    @router.api_route("/health", methods=_READ)
     async def health() -> dict:
         first = models[0]
         return {
@@ -165,23 +208,38 @@ def create_app(
             "models": [{"source": m.source, "target": m.target, **m.info} for m in models],
         }
 
-    @app.api_route("/languages", methods=read)
+    @router.api_route("/languages", methods=_READ)
     async def get_languages() -> list[dict]:
-        return languages_response(list(by_pair))
+        return languages_response(pairs)
 
-    @app.api_route("/metrics", methods=read)
+    return router
+
+
+def _metrics_routes(metrics: ServingMetrics) -> APIRouter:
+    # `/metrics`, in Prometheus' text format.
+    router = APIRouter()
+
+    @router.api_route("/metrics", methods=_READ)
     async def get_metrics() -> Response:
         return Response(metrics.exposition(), media_type=metrics.content_type)
 
-    async def checked_fields(request: Request) -> tuple[dict, int]:
-        # The fields of a request, its key checked and its request counted; the character limit of its key.
-        fields = await request_fields(request, limits.body_bytes())
-        client = request.client.host if request.client else "unknown"
-        return fields, access.check(fields.get("api_key"), client)
+    return router
 
-    @app.post("/detect")
+
+async def _checked_fields(request: Request, limits: Limits, access: Access) -> tuple[dict, int]:
+    # The fields of a request, its key checked and its request counted; the character limit of its key.
+    fields = await request_fields(request, limits.body_bytes())
+    client = request.client.host if request.client else "unknown"
+    return fields, access.check(fields.get("api_key"), client)
+
+
+def _detect_routes(limits: Limits, access: Access, detector: LanguageDetector) -> APIRouter:
+    # LibreTranslate's `POST /detect`: the languages a text may be in, the likeliest first.
+    router = APIRouter()
+
+    @router.post("/detect")
     async def post_detect(request: Request) -> JSONResponse:
-        fields, char_limit = await checked_fields(request)
+        fields, char_limit = await _checked_fields(request, limits, access)
         q = fields.get("q")
         if not isinstance(q, str) or not q.strip():
             raise RequestError("Invalid request: missing q parameter (a string of text)")
@@ -189,9 +247,23 @@ def create_app(
             raise RequestError(f"Invalid request: q has {len(q)} characters, more than the limit of {char_limit}")
         return JSONResponse(detector.detect(q))
 
-    @app.post("/translate")
+    return router
+
+
+def _translate_routes(
+    by_pair: dict[tuple[str, str], ServedModel],
+    limits: Limits,
+    access: Access,
+    detector: LanguageDetector,
+    metrics: ServingMetrics,
+    alternatives_limit: int,
+) -> APIRouter:
+    # LibreTranslate's `POST /translate`: one text or a list, with its alternatives and the language detected.
+    router = APIRouter()
+
+    @router.post("/translate")
     async def post_translate(request: Request) -> JSONResponse:
-        fields, char_limit = await checked_fields(request)
+        fields, char_limit = await _checked_fields(request, limits, access)
         checked = parse_translate_request(
             fields, list(by_pair), dataclasses.replace(limits, char_limit=char_limit), alternatives_limit
         )
@@ -207,12 +279,7 @@ def create_app(
             body["alternatives"] = translated.alternatives if checked.is_list else translated.alternatives[0]
         return JSONResponse(body)
 
-    app.include_router(file_routes(store, by_pair, access, detector, metrics))
-    return app
-
-
-# The paths `/metrics` labels by name (and `/download_file` for every file's).
-_MEASURED = frozenset({"/", "/health", "/languages", "/metrics", "/detect", "/translate", "/translate_file"})
+    return router
 
 
 def _logging_empty(engine: Engine) -> Callable[[list[str], int], list[list[str]]]:
@@ -315,13 +382,7 @@ def serve(
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     served: list[ServedModel] = []
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))  # not listening yet: clients are refused until the models are loaded
-        except OSError as error:
-            host_error = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
-            advice = "check --host" if host_error else "choose another --port"
-            raise OSError(f"cannot listen on {host}:{port}: {error.strerror}; {advice}") from error
+        _bind(sock, host, port)  # not listening yet: clients are refused until the models are loaded
         import torch
 
         torch.set_num_threads(threads)
@@ -331,23 +392,43 @@ def serve(
                 served.append(_served_model(source, target, model, config, inference, metrics))
             access = Access(keys, config.req_limit, config.char_limit)
             app = create_app(served, access, detector, metrics, config.alternatives_limit, config.file_size_limit)
-            bound_host, bound_port = sock.getsockname()[:2]
-            shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-            names = " and ".join(
-                f"{m} ({s} -> {t}, {each.info['engine']})" for (s, t, m), each in zip(pairs, served, strict=True)
-            )
-            server_config = uvicorn.Config(
-                app, log_level="info", access_log=config.access_log, timeout_graceful_shutdown=None
-            )
-            if threading.current_thread() is threading.main_thread():
-                # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
-                # under the handler it found: one that does nothing lets that graceful end exit with 0.
-                for signum in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(signum, lambda *_: None)
-            _Server(server_config, f"Serving {names} on http://{shown}:{bound_port}").run(sockets=[sock])
+            _run(app, sock, _banner(pairs, served, sock), config.access_log)
         finally:
             for each in served:
                 each.batcher.close()  # after a failed start too; a no-op after the app's own shutdown
+
+
+def _bind(sock: socket.socket, host: str, port: int) -> None:
+    # The socket bound to the address, or an error that says which of --host and --port to change.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        host_error = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
+        advice = "check --host" if host_error else "choose another --port"
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror}; {advice}") from error
+
+
+def _banner(pairs: list[tuple[str, str, str]], served: list[ServedModel], sock: socket.socket) -> str:
+    # The line printed once the server accepts connections: each model, its pair and engine, and the bound address
+    # (the port the system chose for `port=0`).
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if sock.family == socket.AF_INET6 else bound_host
+    names = " and ".join(
+        f"{m} ({s} -> {t}, {each.info['engine']})" for (s, t, m), each in zip(pairs, served, strict=True)
+    )
+    return f"Serving {names} on http://{shown}:{bound_port}"
+
+
+def _run(app: FastAPI, sock: socket.socket, banner: str, access_log: bool) -> None:
+    # uvicorn serving `app` on the bound socket until SIGTERM or SIGINT, then answering what it received.
+    server_config = uvicorn.Config(app, log_level="info", access_log=access_log, timeout_graceful_shutdown=None)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
+        # under the handler it found: one that does nothing lets that graceful end exit with 0.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: None)
+    _Server(server_config, banner).run(sockets=[sock])
 
 
 def _served_model(

@@ -155,18 +155,7 @@ def file_routes(
         char_limit = access.check(fields.get("api_key"), request.client.host if request.client else "unknown")
         name, text_format, text = await _read_file(fields.get("file"), store.size_limit)
         source, target = parse_languages(fields, list(models))
-        try:  # the text nodes of HTML, unsplit: what the character limit counts, and detection reads
-            nodes = split_text(text, text_format, None, False)[0]
-        except ValueError as error:
-            raise RequestError(f"Invalid request: file {name}: {error}") from None
-        characters = len(text) if text_format == "text" else sum(map(len, nodes))
-        if characters > char_limit:
-            raise RequestError(
-                f"Invalid request: file has {characters} characters of text, more than the limit of {char_limit} "
-                "(--char-limit); split it into smaller files"
-            )
-        if text_format == "text" and not text.strip():
-            raise RequestError("Invalid request: file has no text to translate")
+        nodes = _checked_text(name, text_format, text, char_limit)
         model, _ = choose_model(models, detector, source, target, "\n".join(nodes) if source == "auto" else "")
         translated = await model.translate([text], text_format, 0, False, "file")
         metrics.sentences.labels(f"{model.source}-{model.target}").inc(translated.sentences)
@@ -202,6 +191,24 @@ async def _file_fields(request: Request, size_limit: int) -> dict:
             "smaller files",
             413,
         ) from None
+
+
+def _checked_text(name: str, text_format: str, text: str, char_limit: int) -> list[str]:
+    # The text nodes of a file, or the refusal of a file over the character limit, or of text with nothing to
+    # translate. HTML's nodes, unsplit, are what the limit counts (not the markup), and detection reads.
+    try:
+        nodes = split_text(text, text_format, None, False)[0]
+    except ValueError as error:
+        raise RequestError(f"Invalid request: file {name}: {error}") from None
+    characters = len(text) if text_format == "text" else sum(map(len, nodes))
+    if characters > char_limit:
+        raise RequestError(
+            f"Invalid request: file has {characters} characters of text, more than the limit of {char_limit} "
+            "(--char-limit); split it into smaller files"
+        )
+    if text_format == "text" and not text.strip():
+        raise RequestError("Invalid request: file has no text to translate")
+    return nodes
 
 
 async def _read_file(upload: object, size_limit: int) -> tuple[str, str, str]:

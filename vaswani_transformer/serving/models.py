@@ -8,15 +8,19 @@ worker thread. See docs/serving.md, "Several models".
 import asyncio
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from ..data.segmentation import fit_to_limit
+from ..data.segmentation import Pieces, fit_to_limit
 from ..data.text_format import split_text
 from .batcher import MicroBatcher
 from .detection import LanguageDetector
 from .requests import Limits, RequestError
+
+# One text's sentences, and the function that puts their translations back (`text_format.split_text`).
+_Split = tuple[list[str], Callable[[list[str]], str]]
 
 
 @dataclass
@@ -82,68 +86,92 @@ class ServedModel:
                 long_inputs "error"), alternatives over the beam (400); a shutting-down server or a request past its
                 deadline (503); a failed translation (500).
         """
-        limits = self.limits
-        language = self.source
-        try:
-            splits = [split_text(text, text_format, language, self.split_sentences) for text in texts]
-        except ValueError as error:  # markup the HTML parser cannot read
-            raise RequestError(f"Invalid request: {error}") from error
+        splits = self._split(texts, text_format)
         sentences = [sentence for found, _ in splits for sentence in found]
         work = [i for i, sentence in enumerate(sentences) if sentence.strip()]  # layout stays as it is
-        if len(work) > limits.sentence_limit:
+        self._check_counts(len(work), alternatives, field)
+        owner = [i for i, (found, _) in enumerate(splits) for _sentence in found]  # the text of each sentence
+        pieces = self._fit([sentences[i] for i in work], [f"{field}[{owner[i]}]" if is_list else field for i in work])
+        found = await self._hypotheses(pieces, alternatives + 1)
+        ranked = _ranked(found, alternatives + 1, pieces, work, len(sentences))
+        out, others = _rebuild(splits, ranked)
+        return Translated(out, others, len(pieces.texts))
+
+    def _split(self, texts: list[str], text_format: str) -> list[_Split]:
+        # Each text's sentences, and the function that puts their translations back into the text.
+        try:
+            return [split_text(text, text_format, self.source, self.split_sentences) for text in texts]
+        except ValueError as error:  # markup the HTML parser cannot read
+            raise RequestError(f"Invalid request: {error}") from error
+
+    def _check_counts(self, sentences: int, alternatives: int, field: str) -> None:
+        # Refused before any tokenizing: more sentences than the limit, more alternatives than the beam search finds.
+        if sentences > self.limits.sentence_limit:
             raise RequestError(
-                f"Invalid request: {field} has {len(work)} sentences, more than the limit of "
-                f"{limits.sentence_limit} (--sentence-limit); send them in several requests"
+                f"Invalid request: {field} has {sentences} sentences, more than the limit of "
+                f"{self.limits.sentence_limit} (--sentence-limit); send them in several requests"
             )
         if alternatives + 1 > max(self.beams, 1):
             raise RequestError(
                 f"Invalid request: alternatives must be at most {self.beams - 1} with this server's beam search of "
                 f"{self.beams} (--num-beams)"
             )
-        lengths = self._count([sentences[i] for i in work])
-        limit = limits.source_limit if limits.long_inputs != "truncate" else None
-        if limit is not None and limits.long_inputs == "error" and lengths and max(lengths) > limit:
-            owner, start = 0, 0
-            first = work[next(k for k, length in enumerate(lengths) if length > limit)]
-            for owner, (found, _) in enumerate(splits):  # noqa: B007 - the text the sentence belongs to
-                if first < start + len(found):
-                    break
-                start += len(found)
-            where = f"{field}[{owner}]" if is_list else field
+
+    def _fit(self, sentences: list[str], fields: list[str]) -> Pieces:
+        # The sentences cut to the model's limit; with long_inputs "error", the refusal of the first over it, named by
+        # its field; with "truncate", whole (the engine cuts them).
+        lengths = self._count(sentences)
+        limit = self.limits.source_limit if self.limits.long_inputs != "truncate" else None
+        if limit is not None and self.limits.long_inputs == "error" and lengths and max(lengths) > limit:
+            where = fields[next(k for k, length in enumerate(lengths) if length > limit)]
             raise RequestError(
                 f"Invalid request: {where} has a sentence of {max(lengths)} tokens, more than the model's limit of "
                 f"{limit}; split it into shorter sentences"
             )
-        pieces = fit_to_limit([sentences[i] for i in work], lengths, limit, lambda text: self._count([text])[0])
+        return fit_to_limit(sentences, lengths, limit, lambda text: self._count([text])[0])
+
+    async def _hypotheses(self, pieces: Pieces, count: int) -> list[list[str]]:
+        # Up to `count` translations of each piece, best first, from the batcher, its failures as refusals.
         try:
-            future = self.batcher.submit(pieces.texts, pieces.lengths, limits.request_timeout, alternatives + 1)
+            future = self.batcher.submit(pieces.texts, pieces.lengths, self.limits.request_timeout, count)
         except RuntimeError as error:  # the server is shutting down
             raise RequestError(str(error), 503) from None
         try:
-            found = await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(future)
         except TimeoutError as error:  # busier than one request's deadline allows: 503, as overload
             raise RequestError(
                 f"{error}: the server's limit (--request-timeout); send fewer sentences, or retry later",
                 503,
-                {"Retry-After": str(math.ceil(limits.request_timeout))},
+                {"Retry-After": str(math.ceil(self.limits.request_timeout))},
             ) from None
         except Exception as error:
             raise RequestError(f"translation failed: {error}", 500) from error
-        ranked = []  # for each rank, one translation per sentence of the request
-        for rank in range(alternatives + 1):
-            per_piece = [each[min(rank, len(each) - 1)] for each in found]
-            translations = [""] * len(sentences)
-            for i, translation in zip(work, pieces.join(per_piece, len(work)), strict=True):
-                translations[i] = translation
-            ranked.append(translations)
-        out, others, start = [], [], 0
-        for found_sentences, rebuild in splits:
-            end = start + len(found_sentences)
-            versions = [rebuild(translations[start:end]) for translations in ranked]
-            out.append(versions[0])
-            others.append([v for k, v in enumerate(versions) if k and v not in versions[:k]])
-            start = end
-        return Translated(out, others, len(pieces.texts))
+
+
+def _ranked(found: list[list[str]], ranks: int, pieces: Pieces, work: list[int], sentences: int) -> list[list[str]]:
+    # For each rank, one translation per sentence of the request: its pieces' translations of that rank (the last a
+    # piece has where it has fewer) joined, "" for a sentence of layout alone.
+    ranked = []
+    for rank in range(ranks):
+        per_piece = [each[min(rank, len(each) - 1)] for each in found]
+        translations = [""] * sentences
+        for i, translation in zip(work, pieces.join(per_piece, len(work)), strict=True):
+            translations[i] = translation
+        ranked.append(translations)
+    return ranked
+
+
+def _rebuild(splits: list[_Split], ranked: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    # Each text put back from its sentences' best translations, and its alternatives: the text put back from each
+    # lower rank, those equal to a higher one dropped.
+    out, others, start = [], [], 0
+    for found_sentences, rebuild in splits:
+        end = start + len(found_sentences)
+        versions = [rebuild(translations[start:end]) for translations in ranked]
+        out.append(versions[0])
+        others.append([v for k, v in enumerate(versions) if k and v not in versions[:k]])
+        start = end
+    return out, others
 
 
 def choose_model(

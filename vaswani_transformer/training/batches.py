@@ -132,7 +132,7 @@ def run_batches(
     return train_batches, token_batches(corpus.validation, tokenizer, config.max_tokens, False, 0, accelerator)
 
 
-def micro_batches(
+def endless_batches(
     loader: torch.utils.data.DataLoader | StreamedBatches, epoch: int, done: int
 ) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, batches done in the epoch, batch) from position (`epoch`, `done`) on.

@@ -34,7 +34,7 @@ from ..model.configuration_vaswani import VaswaniConfig
 from ..model.modeling_vaswani import VaswaniForConditionalGeneration
 from ..utils.files import ensure_writable, room_for
 from . import checkpoints as ckpt
-from .batches import micro_batches, run_batches, run_tokenizer
+from .batches import endless_batches, run_batches, run_tokenizer
 from .checkpointer import Checkpointer, WholeModel, checkpoint_bytes
 from .config import TrainingConfig
 from .corpus import prepare_corpus
@@ -225,7 +225,7 @@ class RunData:
 
     Attributes:
         tokenizer: the shared BPE tokenizer of source and target.
-        train_batches: this process's token batches (`batches.run_batches`), endless through `batches.micro_batches`.
+        train_batches: this process's token batches (`batches.run_batches`), endless through `batches.endless_batches`.
         validation: the validation split; None without one (no validation, no best checkpoint).
     """
 
@@ -291,7 +291,7 @@ def build_run(
         state.start_clocks()
         log = StepLog(accelerator, unwrapped, state, log_path, config.max_steps, peak)
         held.callback(log.close)  # however the run ends: nothing printed after it joins its line
-        stream = micro_batches(data.train_batches, state.epoch, state.batches_done)
+        stream = endless_batches(data.train_batches, state.epoch, state.batches_done)
         steps = StepLoop(config, accelerator, model, unwrapped, optimizer, scheduler, stream, state, checkpoints_dir)
         validator = None if data.validation is None else Validator(
             config, accelerator, whole, data.tokenizer, data.validation, state

@@ -27,7 +27,7 @@ class RunState:
     Attributes:
         world_size: the number of processes; a checkpoint resumes only on as many (each has its RNG state).
         step: optimizer steps done (§5.3's step number; the schedule's too).
-        epoch, batches_done: where the stream of training batches is (`batches.micro_batches`).
+        epoch, batches_done: where the stream of training batches is (`batches.endless_batches`).
         elapsed_seconds: training time before the last checkpoint, resumed runs included (`max_minutes`).
         skipped_nonfinite: steps skipped for a non-finite loss (`skip_nonfinite`).
         best_step, best_score: the best validation so far (score: the loss in nats per target token, or minus

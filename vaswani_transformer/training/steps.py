@@ -45,7 +45,7 @@ class StepLoop:
         model: the model to train, as Accelerate prepared it (data parallel, FSDP, DeepSpeed, or itself).
         unwrapped: the model itself, whose configuration counts the FLOPs (`flops.training_flops`).
         optimizer, scheduler: Adam and the schedule of Eq. 3 (`optimizer.adam_with_schedule`).
-        stream: the endless micro-batches of this process (`batches.micro_batches`), from the run's position.
+        stream: the endless batches of this process (`batches.endless_batches`), from the run's position.
         state: the run's progress; each update advances `step`, `epoch`, `batches_done` and `interval`,
             sets `learning_rate`, and a skipped one counts in `skipped_nonfinite` (`RunState.count_update`,
             `RunState.count_skipped`).
@@ -82,19 +82,19 @@ class StepLoop:
             MemoryError: a batch did not fit on the device.
         """
         accelerator = self.accelerator
-        micro_batches = [next(self.stream) for _ in range(self.config.update_freq)]
-        tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in micro_batches)
-        flops = sum(training_flops(self.unwrapped.config, b["attention_mask"], b["labels"]) for *_, b in micro_batches)
+        accumulated = [next(self.stream) for _ in range(self.config.update_freq)]
+        tokens = sum(batch["labels"].ne(-100).sum() for _, _, batch in accumulated)
+        flops = sum(training_flops(self.unwrapped.config, b["attention_mask"], b["labels"]) for *_, b in accumulated)
         counts = torch.stack([tokens.double(), torch.tensor(flops, dtype=torch.float64)]).to(accelerator.device)
         global_tokens, global_flops = accelerator.reduce(counts, reduction="sum")
         # DDP averages gradients over processes: dividing by (all tokens / processes) gives sum / all tokens.
         normaliser = global_tokens / accelerator.num_processes
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for index, (_, _, batch) in enumerate(micro_batches):
-            step_loss += self._backward(batch, normaliser, last=index == len(micro_batches) - 1)
+        for index, (_, _, batch) in enumerate(accumulated):
+            step_loss += self._backward(batch, normaliser, last=index == len(accumulated) - 1)
         # The loss of the whole step, over every process: all processes agree on what follows.
         step_loss = accelerator.reduce(step_loss, reduction="sum") / accelerator.num_processes
-        epoch, batches_done = micro_batches[-1][:2]
+        epoch, batches_done = accumulated[-1][:2]
         if not torch.isfinite(step_loss):
             self._skip_nonfinite(step_loss, epoch, batches_done)
             return None
