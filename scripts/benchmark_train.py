@@ -25,13 +25,15 @@ def training_step(engine: str, args: argparse.Namespace) -> Callable[[dict], "to
     import torch.nn.functional as F
 
     from vaswani_transformer.model.modeling_vaswani import shift_tokens_right
-    from vaswani_transformer.training.run import avoid_cudnn_attention
+    from vaswani_transformer.training.devices import avoid_cudnn_attention
 
     torch.manual_seed(0)
     if engine == "ours":
         from vaswani_transformer import VaswaniForConditionalGeneration
+        from vaswani_transformer.inference.cpu_kernels import use_pinned_products
 
         model = VaswaniForConditionalGeneration.from_pretrained(args.workdir / "ours")
+        use_pinned_products(model, keep=[model.get_output_embeddings()])  # as `train` does
 
         def loss_of(batch):
             return model(**batch).loss  # the projection fused with the label-smoothed cross entropy

@@ -28,7 +28,7 @@ from vaswani_transformer.data.corpora import corpus_location, load_parallel_corp
 from vaswani_transformer.exchange.saving import save_translator
 from vaswani_transformer.inference.translation import corpus_bleu
 from vaswani_transformer.training.config import TrainingConfig
-from vaswani_transformer.training.run import avoid_cudnn_attention
+from vaswani_transformer.training.devices import avoid_cudnn_attention
 
 
 class _Seq2SeqTrainer(Seq2SeqTrainer):

@@ -131,15 +131,37 @@ def test_swapped_layers_keep_their_parameters_and_compute_what_f_linear_computes
         torch.testing.assert_close(model(**batch).logits, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
 
 
-def test_the_pinned_setting_alone_swaps_the_layers_and_the_log_says_which_kernels(tokenizer, monkeypatch):
+def test_the_pinned_setting_alone_swaps_the_layers_and_says_so(tokenizer, monkeypatch):
     model = random_model(tokenizer)
-    monkeypatch.delenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, raising=False)
-    assert "PyTorch's own kernels" in use_pinned_products(model)
-    assert not any(type(m) is OneDNNLinear for m in model.modules())
+    for unset in (None, "inf"):
+        if unset is None:
+            monkeypatch.delenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, unset)
+        assert use_pinned_products(model) is None  # PyTorch's own kernels: nothing to say
+        assert not any(type(m) is OneDNNLinear for m in model.modules())
     monkeypatch.setenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, "a lot")
     with pytest.raises(ValueError, match="is not a number of multiply-adds"):
         use_pinned_products(model)
     if cpu_kernels.ONEDNN_LINEAR is not None:
         monkeypatch.setenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, str(MIN_PRODUCT))
-        assert "oneDNN from 2097152 multiply-adds" in use_pinned_products(model)
-        assert all(type(m) is OneDNNLinear for m in model.modules() if isinstance(m, nn.Linear))
+        head = model.get_output_embeddings()
+        assert "VASWANI_ONEDNN_MIN_PRODUCT=2097152" in use_pinned_products(model, keep=[head])
+        assert type(head) is nn.Linear  # kept, as training keeps it for its fused loss
+        assert all(type(m) is OneDNNLinear for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+
+
+@needs_onednn
+def test_a_training_step_with_the_pinned_products_keeps_the_fused_loss_and_its_value(
+    tokenizer, test_sentences, monkeypatch
+):
+    model = random_model(tokenizer, d_model=256, d_ff=1024, num_attention_heads=4)  # eval: no dropout
+    batch = seq2seq_batch(tokenizer, *test_sentences)
+    expected = model(**batch).loss
+    monkeypatch.setenv(cpu_kernels.ONEDNN_MIN_PRODUCT_ENV, str(MIN_PRODUCT))
+    use_pinned_products(model, keep=[model.get_output_embeddings()])
+    calls = _count_onednn_calls(monkeypatch)
+    output = model(**batch)
+    assert output.logits is None  # the fused projection and loss (§3.4, §5.4) still ran
+    assert calls["n"] > 0
+    torch.testing.assert_close(output.loss, expected, rtol=1e-5, atol=0)

@@ -16,7 +16,7 @@ PyTorch's private API, which is why it stays out of the code saved with every mo
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +176,7 @@ class OneDNNLinear(nn.Linear):
         return onednn_linear(input, self.weight, self.bias, self.min_product)
 
 
-def use_onednn_products(model: nn.Module, min_product: float) -> int:
+def use_onednn_products(model: nn.Module, min_product: float, keep: Collection[nn.Module] = ()) -> int:
     """Compute every `nn.Linear` of `model` through oneDNN from `min_product` multiply-adds (`OneDNNLinear`).
 
     The layers keep their parameters, hooks and state dict; only their class changes, so a model saved afterwards
@@ -185,33 +185,43 @@ def use_onednn_products(model: nn.Module, min_product: float) -> int:
     Args:
         model: any module; every layer of exactly `nn.Linear`'s class is swapped.
         min_product: multiply-adds from which a product takes oneDNN; `math.inf` for never.
+        keep: layers to leave as they are.
 
     Returns:
         The number of layers swapped.
     """
     swapped = 0
     for module in model.modules():
-        if type(module) is nn.Linear or type(module) is OneDNNLinear:
+        if (type(module) is nn.Linear or type(module) is OneDNNLinear) and not any(module is k for k in keep):
             module.__class__ = OneDNNLinear
             module.min_product = min_product
             swapped += 1
     return swapped
 
 
-def use_pinned_products(model: nn.Module) -> str:
-    """Apply `VASWANI_ONEDNN_MIN_PRODUCT` to `model` (see the module's docstring) and say which kernels it uses.
+def use_pinned_products(model: nn.Module, keep: Collection[nn.Module] = ()) -> str | None:
+    """Apply `VASWANI_ONEDNN_MIN_PRODUCT` to `model` (see the module's docstring), and say so where it is set.
+
+    Args:
+        model: the model, whose `nn.Linear` layers take oneDNN's products where the variable asks for them.
+        keep: layers to leave as they are (training keeps the pre-softmax projection, which its fused loss of
+            §5.4 computes itself).
 
     Returns:
-        A line for the run's log: PyTorch's own kernels, or oneDNN from the pinned size.
+        None where the model keeps PyTorch's own kernels (the variable unset or `inf`, or no oneDNN in this
+        PyTorch); else a line for the run's log that names the setting.
 
     Raises:
         ValueError: the variable holds something other than a number.
     """
     min_product = pinned_onednn_min_product()
     if min_product is None or min_product == math.inf or ONEDNN_LINEAR is None:
-        return "float32 products: PyTorch's own kernels (MKL on CPUs)"
-    use_onednn_products(model, min_product)
-    return f"float32 products: oneDNN from {min_product:.0f} multiply-adds ({ONEDNN_MIN_PRODUCT_ENV}), MKL below"
+        return None
+    use_onednn_products(model, min_product, keep)
+    return (
+        f"{ONEDNN_MIN_PRODUCT_ENV}={min_product:.0f}: float32 CPU products of that many multiply-adds and more go "
+        "through oneDNN, which rounds differently from PyTorch's own kernels"
+    )
 
 
 def _best_seconds(call: Callable[[], object], repeats: int) -> float:

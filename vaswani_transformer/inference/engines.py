@@ -35,7 +35,7 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
     """Load a saved model (in eval mode) and its tokenizer from a directory or Hub id, and check that they fit.
 
     The model computes with PyTorch's own kernels unless `VASWANI_ONEDNN_MIN_PRODUCT` opts in to oneDNN's
-    (`cpu_kernels.use_pinned_products`); the log says which. See docs/robustness.md, "Bad input".
+    (`cpu_kernels.use_pinned_products`), which the log then says. See docs/robustness.md, "Bad input".
 
     Args:
         model_dir: what `from_pretrained` accepts.
@@ -76,7 +76,8 @@ def load_translator(model_dir: str, device: str | None = None) -> tuple[PreTrain
             f"{model_dir} is not a directory here, and loading it from the Hub failed: {first_line}"
         ) from error
     check_tokenizer_matches(model.config, tokenizer, model_dir)
-    logger.info("%s: %s", model_dir, use_pinned_products(model))
+    if kernels := use_pinned_products(model):
+        logger.warning("%s: %s.", model_dir, kernels)
     return model.to(device).eval(), tokenizer
 
 

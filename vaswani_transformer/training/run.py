@@ -30,6 +30,7 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
 from ..data.corpora import corpus_fingerprint
+from ..inference.cpu_kernels import use_pinned_products
 from ..model.configuration_vaswani import VaswaniConfig
 from ..model.modeling_vaswani import VaswaniForConditionalGeneration
 from ..utils.files import ensure_writable, room_for
@@ -375,6 +376,8 @@ def load_data_and_model(
         **config.model_overrides,
     )
     model = VaswaniForConditionalGeneration(model_config)
+    if kernels := use_pinned_products(model, keep=[model.get_output_embeddings()]):
+        accelerator.print(f"{kernels}.")
     # Before the first step: a disk without room for a checkpoint would otherwise stop the run at its first save.
     with room_for(output_dir, checkpoint_bytes(model), "a checkpoint", "run the same command again"):
         if accelerator.is_main_process and not resuming:
