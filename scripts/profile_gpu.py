@@ -315,7 +315,6 @@ def training_run(args: argparse.Namespace, config, workdir: Path, compile: bool 
         eval_steps=never, save_steps=never, save_minutes=0, bleu_sentences=0,
         mixed_precision=args.mixed_precision, compile=compile, peak_tflops=args.peak_tflops,
     )  # fmt: skip
-    os.environ["TQDM_DISABLE"] = "1"  # no progress bar in the time measured
     run = build_run(settings, load=load)
 
     def step(batch) -> None:
