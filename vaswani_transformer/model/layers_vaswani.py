@@ -135,10 +135,10 @@ def eager_attention_is_faster(
         True on the CPU for one query, or, without gradients, for at most 1,024 query-key pairs
         with a mask or without causal masking (the kernel's own causal mask is not replaced); on
         CUDA, without gradients, for a decoding step in float16 or bfloat16 while cuDNN's attention is
-        enabled (PyTorch's default; not after `training.avoid_cudnn_attention` has turned it off),
-        with a mask, in encoder-decoder attention, or for one query. The CUDA rule was measured on one
-        kind of GPU (docs/gpu.md): on a GPU where PyTorch prefers another kernel, Eq. 1 is spelled out
-        there too, though no plan stalls it.
+        enabled (PyTorch's default; not after the package's `training.devices.avoid_cudnn_attention`
+        has turned it off), with a mask, in encoder-decoder attention, or for one query. The CUDA rule
+        was measured on one kind of GPU (docs/gpu.md): on a GPU where PyTorch prefers another kernel,
+        Eq. 1 is spelled out there too, though no plan stalls it.
     """
     maskable = mask is not None or not is_causal
     if query.device.type == "cuda":
