@@ -5,7 +5,7 @@ with its validation set once, written under `--work-dir`. For each, three comman
 `vaswani-transformer train --preset tiny --max-steps 1`, one after the other:
 
 - "first": a new data cache: the corpus is counted, hashed, the BPE tokenizer trained (on `train`'s default
-  `--tokenizer-sample`) and the corpus prepared (`corpus_preparation.prepare_corpus`);
+  `--tokenizer-sample`) and the corpus prepared (`training.corpus.prepare_corpus`);
 - "second": a new output directory on the same corpus and cache, with `--tokenizer` the first run's;
 - "resume": the first run's directory again with `--resume --max-steps 2`.
 

@@ -163,7 +163,7 @@ def environment(args: argparse.Namespace) -> dict:
 def make_batches(args: argparse.Namespace, count: int, report: Report) -> tuple[list, dict]:
     """`count` training batches as `train`'s DataLoader yields them (BatchEncoding of CPU tensors), and their source.
 
-    Multi30k prepared as `train` prepares it (`corpus_preparation.prepare_corpus`) and `TokenBatchSampler` (seed 1,
+    Multi30k prepared as `train` prepares it (`training.corpus.prepare_corpus`) and `TokenBatchSampler` (seed 1,
     `train`'s default), or synthetic ids cut by the same sampler from lengths drawn like Multi30k's.
     """
     import numpy as np

@@ -23,7 +23,7 @@ os.environ.pop("VASWANI_ONEDNN_MIN_PRODUCT", None)
 # would write one module at once.
 os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
 atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
-# So do prepared corpora and the datasets they come from (corpus_preparation): not the user's cache, and shared by
+# So do prepared corpora and the datasets they come from (training.corpus): not the user's cache, and shared by
 # the tests of one process and the `train` commands they start.
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
 atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
@@ -272,3 +272,11 @@ def tag_with_process(monkeypatch) -> None:
     """Make every batch's translations say which process translated them ("PID|translation")."""
     translate = Engine.translate
     monkeypatch.setattr(Engine, "translate", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate(self, texts)])
+
+
+def one_line_error(status: int, err: str, expected_status: int = 2) -> str:
+    """The one error line of a `train` run that stopped with `expected_status`, after whatever progress bars it drew."""
+    assert status == expected_status and "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("vaswani-transformer train:")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]

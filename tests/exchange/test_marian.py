@@ -177,9 +177,11 @@ def test_marian_the_paper_cannot_express_is_refused_with_the_reason(option, reas
 def test_a_model_marian_cannot_express_is_not_exported_and_every_reason_is_named():
     small = dict(vocab_size=60, d_model=16, d_ff=32, encoder_layers=1, decoder_layers=1, num_attention_heads=2)
     options = dict(
-        d_k=4, normalize_before=True, position_embedding_type="learned", layer_norm_eps=1e-6, tie_word_embeddings=False
-    )
-    reasons = ["d_k=4", "pre-LayerNorm", "learned positional", "layer_norm_eps=1e-06", "untied output projection"]
+        d_k=4, normalize_before=True, position_embedding_type="learned", scale_attention=False, layer_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    reasons = ["d_k=4", "pre-LayerNorm", "learned positional", "attention without the 1/sqrt", "layer_norm_eps=1e-06"]
+    reasons += ["untied output projection"]
     for option, reason in zip(options.items(), reasons, strict=True):
         with pytest.raises(ValueError, match=f"no exact HF Marian equivalent: it has {reason}"):
             to_marian(VaswaniForConditionalGeneration(VaswaniConfig(**small, **dict([option]))))

@@ -103,6 +103,17 @@ def test_the_decoder_refuses_any_argument_it_would_drop_and_the_encoder_what_gen
     torch.testing.assert_close(encoded, model.get_encoder()(**batch).last_hidden_state)
 
 
+def test_an_unknown_argument_is_named_and_nobody_blamed_for_it(tokenizer):
+    # The caller may be the user, PEFT, a Trainer or transformers: the message names the argument, not a culprit.
+    model = random_model(tokenizer)
+    batch = tokenizer(["A dog runs."], return_tensors="pt")
+    with pytest.raises(TypeError) as refused:
+        model(**batch, decoder_input_ids=batch["input_ids"][:, :1], prompt_ids=None)
+    message = str(refused.value)
+    assert "`prompt_ids`" in message and "leave it out" in message
+    assert "transformers" not in message and "cache" not in message and "\n" not in message
+
+
 def test_forward_refuses_the_cache_under_both_names_at_once(tokenizer, test_sentences):
     model = random_model(tokenizer)
     batch = tokenizer(test_sentences[0][:2], padding=True, return_tensors="pt")

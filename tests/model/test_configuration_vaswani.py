@@ -29,6 +29,15 @@ def test_config_rejects_impossible_values_naming_the_field():
         VaswaniConfig.from_preset("huge")
 
 
+def test_the_language_pair_is_saved_with_the_config_and_checked(tmp_path):
+    VaswaniConfig.from_preset("tiny", source_lang="en", target_lang="de").save_pretrained(tmp_path)
+    loaded = VaswaniConfig.from_pretrained(tmp_path)
+    assert (loaded.source_lang, loaded.target_lang) == ("en", "de")
+    assert VaswaniConfig().source_lang is None  # a model that does not say
+    with pytest.raises(ValueError, match="VaswaniConfig.target_lang must be a language code such as 'en', or None"):
+        VaswaniConfig(target_lang=" ")
+
+
 @pytest.mark.parametrize("alias, value", [("hidden_size", 100), ("encoder_attention_heads", 7)])
 def test_config_checks_values_given_by_transformers_names_too(alias, value):
     with pytest.raises(ValueError, match="d_model.*num_attention_heads"):

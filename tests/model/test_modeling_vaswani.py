@@ -149,6 +149,72 @@ def test_model_loss_ignores_padding_and_uses_the_configured_epsilon(tokenizer, t
     torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_inputs_embeds_of_the_input_embeddings_give_the_logits_and_loss_of_the_ids(tokenizer, test_sentences):
+    # Every transformers seq2seq model takes `inputs_embeds` and `decoder_inputs_embeds`; PEFT passes both (None for
+    # LoRA, the prompt's and the tokens' embeddings for prompt tuning). They are `get_input_embeddings()`'s output,
+    # before the sqrt(d_model) scale: the model scales them and adds the positions as it does for ids (§3.4, §3.5).
+    model = random_model(tokenizer)
+    batch = seq2seq_batch(tokenizer, test_sentences[0][:4], test_sentences[1][:4])
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        from_ids = model(**batch, inputs_embeds=None, decoder_inputs_embeds=None)  # as PEFT's LoRA calls it
+        from_embeddings = model(
+            inputs_embeds=embed(batch["input_ids"]),
+            attention_mask=batch["attention_mask"],
+            decoder_inputs_embeds=embed(decoder_input_ids),
+            labels=batch["labels"],
+        )
+    torch.testing.assert_close(from_embeddings.logits, from_ids.logits)
+    torch.testing.assert_close(from_embeddings.loss, from_ids.loss)
+    # generate() encodes the embeddings and decodes from the decoder start token, as from the ids.
+    source = {"attention_mask": batch["attention_mask"], "num_beams": 2, "max_new_tokens": 8}
+    torch.testing.assert_close(
+        model.generate(inputs_embeds=embed(batch["input_ids"]), **source),
+        model.generate(input_ids=batch["input_ids"], **source),
+    )
+
+
+def test_gradients_reach_embeddings_given_in_place_of_ids(tokenizer, test_sentences):
+    # Prompt tuning trains vectors put before the tokens' embeddings: the loss must reach them.
+    model = random_model(tokenizer)
+    batch = seq2seq_batch(tokenizer, test_sentences[0][:2], test_sentences[1][:2])
+    prompt = torch.zeros(2, 3, model.config.d_model, requires_grad=True)
+    embeddings = torch.cat([prompt, model.get_input_embeddings()(batch["input_ids"])], dim=1)
+    mask = torch.cat([torch.ones(2, 3, dtype=batch["attention_mask"].dtype), batch["attention_mask"]], dim=1)
+    model(inputs_embeds=embeddings, attention_mask=mask, labels=batch["labels"]).loss.backward()
+    assert prompt.grad is not None and prompt.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({"input_ids": True, "inputs_embeds": True, "decoder_input_ids": True}, "input_ids or inputs_embeds"),
+        ({"decoder_input_ids": True}, "got neither"),
+        (
+            {"input_ids": True, "decoder_input_ids": True, "decoder_inputs_embeds": True},
+            "decoder_input_ids or decoder_inputs_embeds, exactly one of them; got both",
+        ),
+        (
+            {"input_ids": True, "decoder_inputs_embeds": "narrow"},
+            r"d_model=32\) token embeddings, got shape \(1, 2, 5\)",
+        ),
+    ],
+)
+def test_ids_and_embeddings_of_one_input_are_refused_together_in_one_line(tokenizer, inputs, message):
+    model = random_model(tokenizer)
+    ids = torch.tensor([[5, 6]])
+    values = {
+        "input_ids": ids,
+        "decoder_input_ids": ids,
+        "inputs_embeds": model.get_input_embeddings()(ids),
+        "decoder_inputs_embeds": model.get_input_embeddings()(ids),
+    }
+    arguments = {name: values[name] if given is True else values[name][..., :5] for name, given in inputs.items()}
+    with pytest.raises(ValueError, match=message):
+        model(**arguments)
+
+
 def test_shift_tokens_right_starts_with_the_decoder_start_token():
     labels = torch.tensor([[10, 11, 2, -100]])
     assert shift_tokens_right(labels, pad_token_id=0, decoder_start_token_id=1).tolist() == [[1, 10, 11, 2]]
@@ -377,3 +443,39 @@ def test_sinusoidal_model_encodes_and_decodes_inputs_far_longer_than_any_seen_in
         **tokenizer(source, return_tensors="pt"), num_beams=2, min_new_tokens=4 * longest, max_new_tokens=4 * longest
     )
     assert generated.shape[1] == 4 * longest + 1
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch.ao's own deprecation
+def test_dynamic_int8_quantization_finds_every_linear_map_and_the_quantized_model_translates(
+    trained_model_dir, test_sentences
+):
+    # `quantize_dynamic(model, {nn.Linear})` swaps the modules whose type is nn.Linear itself: every projection of
+    # the model must be one (a subclass, as the model's were before 0.3, was skipped in silence: same speed, same
+    # output). The int8 model translates nearly as the float32 one does (docs/compatibility.md, "Quantization").
+    import sacrebleu
+
+    quantize_dynamic = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize_dynamic is None:
+        pytest.skip("this PyTorch has no torch.ao.quantization.quantize_dynamic")
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    projections = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    layers = model.config.encoder_layers * 6 + model.config.decoder_layers * 10  # q, k, v, out (x2 in the decoder), fc
+    assert len(projections) == layers + 1  # and the pre-softmax projection
+    quantized = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    assert all(isinstance(quantized.get_submodule(name), dynamic) for name in projections)
+    sources, references = test_sentences
+    batch = tokenizer(list(sources), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        float32, int8 = (
+            tokenizer.batch_decode(m.generate(**batch), skip_special_tokens=True) for m in (model, quantized)
+        )
+    assert all(int8)
+    assert sacrebleu.corpus_bleu(int8, [float32]).score > 50, (int8, float32)
+    # Its loss, with gradients on and its weights frozen, comes from the logits (a quantized map has no weight tensor).
+    quantized.requires_grad_(False)
+    loss = quantized(**seq2seq_batch(tokenizer, sources, references)).loss
+    with torch.no_grad():
+        expected = model(**seq2seq_batch(tokenizer, sources, references)).loss
+    assert torch.isfinite(loss) and abs(loss.item() - expected.item()) < 0.05

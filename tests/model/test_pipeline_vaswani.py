@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from conftest import random_model, run_without_package
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -99,3 +100,34 @@ def test_the_pipeline_translates_an_empty_list_into_an_empty_list(tokenizer, tmp
     tokenizer.save_pretrained(tmp_path)
     translator = pipeline("translation", model=str(tmp_path), trust_remote_code=True)
     assert translator([]) == [] and translator([], num_return_sequences=2, batch_size=2) == []
+
+
+def test_the_pipeline_takes_the_language_arguments_of_the_model_and_refuses_others(tokenizer, tmp_path, caplog):
+    # transformers' translation pipeline takes src_lang and tgt_lang; they went to generate(), which refused them
+    # ("model_kwargs are not used"). The model translates one pair: they are checked against it, in one line.
+    from transformers import pipeline
+
+    random_model(tokenizer, source_lang="en", target_lang="de").save_pretrained(tmp_path / "en-de")
+    random_model(tokenizer).save_pretrained(tmp_path / "unsaid")  # saved before the config named its languages
+    for name in ("en-de", "unsaid"):
+        tokenizer.save_pretrained(tmp_path / name)
+    translator = pipeline("translation", model=str(tmp_path / "en-de"), trust_remote_code=True, max_new_tokens=5)
+    expected = translator(SENTENCES)
+    assert translator(SENTENCES, src_lang="en", tgt_lang="de") == expected
+    assert translator(SENTENCES, src_lang="en_XX", tgt_lang="DE-de") == expected  # mBART's and BCP 47's forms
+    for language in ({"src_lang": "fr"}, {"tgt_lang": "en"}):
+        ((name, code),) = language.items()
+        message = f"This model translates en to de, not {name}='{code}': give {name}="
+        with pytest.raises(ValueError, match=message):
+            translator(SENTENCES, **language)
+        with pytest.raises(ValueError, match=message):
+            pipeline("translation", model=str(tmp_path / "en-de"), trust_remote_code=True, **language)
+    with pytest.raises(ValueError, match="src_lang must be a language code such as 'en', got 3"):
+        translator(SENTENCES, src_lang=3)
+    unsaid = pipeline("translation", model=str(tmp_path / "unsaid"), trust_remote_code=True, max_new_tokens=5)
+    with caplog.at_level("WARNING"):
+        assert unsaid(SENTENCES, src_lang="fr") == unsaid(SENTENCES)
+    assert (
+        "does not say which languages it translates" in caplog.text
+        and "src_lang='fr' is taken unchecked" in caplog.text
+    )

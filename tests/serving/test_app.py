@@ -82,6 +82,27 @@ def call(url: str, body=None, content_type: str = "application/json", method: st
         return error.code, json.loads(error.read())
 
 
+def call_from(
+    source: str,
+    url: str,
+    body: dict | bytes,
+    headers: dict[str, str] | None = None,
+    content_type: str = "application/json",
+) -> tuple[int, object]:
+    """POST `body` (bytes as they are, or an object as JSON) from the loopback address `source` (127.0.0.2: another
+    client than 127.0.0.1): (status, the JSON body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120, source_address=(source, 0))
+    try:
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        connection.request("POST", target, data, {"Content-Type": content_type, **(headers or {})})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
 def generate_translations(model_dir: Path, sentences: list[str], **generate_kwargs) -> list[str]:
     """`generate()` on the sentences as one padded batch, decoded: what the server must answer."""
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
@@ -214,8 +235,55 @@ def test_keys_and_request_limits_answer_403_and_429_as_libretranslate_does(train
         status, body = call(f"{running.url}/translate", {**ask, "q": sentences[0], "api_key": "small"})
         assert (status, body["error"]) == (400, f"Invalid request: q has {len(sentences[0])} characters, more than "
                                                 "the limit of 20")  # fmt: skip
-        # Without a key, the address has the server's 3 a minute; a refused key and a key's requests count apart.
-        assert [call(f"{running.url}/detect", {"q": "A dog."})[0] for _ in range(4)] == [200, 200, 200, 429]
+        # Without a key, the address has the server's 3 a minute, of which the refused key took one (LibreTranslate's
+        # limiter counts it too); a known key's requests count apart.
+        assert [call(f"{running.url}/detect", {"q": "A dog."})[0] for _ in range(3)] == [200, 200, 429]
+    finally:
+        assert running.stop() == 0
+
+
+def test_proxy_headers_are_not_trusted_by_default_and_a_key_in_the_url_is_refused_and_never_logged(
+    trained_model_dir, tmp_path
+):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"SECRET-KEY-4f2a": {}}))
+    log_path = tmp_path / "server.log"
+    running = Server(trained_model_dir, log_path, "--api-keys", str(keys), "--req-limit", "5")
+    try:
+        ask = {"q": "A dog.", "source": "en", "target": "de"}
+        # Each request names another client in X-Forwarded-For: all from 127.0.0.1 (the proxy uvicorn trusted by
+        # default), they are one client, held to 5.
+        statuses = [call_from("127.0.0.1", f"{running.url}/translate", ask, {"X-Forwarded-For": f"10.0.0.{i}"})[0]
+                    for i in range(7)]  # fmt: skip
+        assert statuses == [200] * 5 + [429] * 2
+        # A key in the URL, which logs and proxies keep: refused, naming where to send it; in the body it is served.
+        status, answer = call_from("127.0.0.3", f"{running.url}/translate?api_key=SECRET-KEY-4f2a", ask)
+        assert status == 400 and "api_key" in answer["error"] and "body" in answer["error"], answer
+        assert call_from("127.0.0.3", f"{running.url}/translate", {**ask, "api_key": "SECRET-KEY-4f2a"})[0] == 200
+    finally:
+        assert running.stop() == 0
+    logged = running.process.stdout.read() + log_path.read_text()
+    assert '"POST /translate?api_key=' in logged and "SECRET-KEY-4f2a" not in logged, logged[-3000:]
+
+
+def test_a_key_can_be_required_and_proxy_headers_trusted_from_the_addresses_named(trained_model_dir, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"good": {}}))
+    running = Server(
+        trained_model_dir, tmp_path / "server.log", "--api-keys", str(keys), "--req-limit", "5",
+        "--require-api-key-origin", r"^https://ours\.example$", "--forwarded-allow-ips", "127.0.0.2",
+    )  # fmt: skip
+    try:
+        ask, ours = {"q": "A dog.", "source": "en", "target": "de"}, {"Origin": "https://ours.example"}
+        # From the proxy named, each client it forwards has a limit of its own.
+        forwarded = [{"X-Forwarded-For": f"10.0.0.{i}", **ours} for i in range(7)]
+        statuses = [call_from("127.0.0.2", f"{running.url}/translate", ask, headers)[0] for headers in forwarded]
+        assert statuses == [200] * 7
+        # Without a key, only a page of the origin named is served (LibreTranslate's --require-api-key-origin).
+        status, answer = call_from("127.0.0.3", f"{running.url}/translate", ask)
+        assert status == 400 and "requires an API key" in answer["error"], answer
+        assert call_from("127.0.0.3", f"{running.url}/translate", {**ask, "api_key": "good"})[0] == 200
+        assert call_from("127.0.0.3", f"{running.url}/detect", {"q": "A dog."}, ours)[0] == 200
     finally:
         assert running.stop() == 0
 

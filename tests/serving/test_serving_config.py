@@ -37,5 +37,23 @@ def test_serve_options_are_the_serving_config_fields_and_bad_values_fail_in_one_
 @pytest.mark.parametrize(("cores", "threads", "expected"), [(2, None, 1), (1, None, 1), (16, None, 15), (2, 2, 2)])
 def test_the_default_threads_leave_one_core_of_those_the_process_may_use(monkeypatch, cores, threads, expected):
     # The core left over answers HTTP and keeps a neighbour process from stalling the model (docs/serving.md).
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert ServingConfig(threads=threads).cpu_threads() == expected
+
+
+def test_keys_are_optional_and_proxies_untrusted_by_default_and_a_bad_requirement_fails_in_one_line(capsys):
+    defaults = ServingConfig()
+    assert (defaults.require_api_key, defaults.require_api_key_origin, defaults.forwarded_allow_ips) == (
+        False,
+        None,
+        None,
+    )
+    for options, words in (
+        (["--require-api-key"], "--require-api-key requires keys: give them with --api-keys FILE."),
+        (["--require-api-key-origin", "https://ours"], "--require-api-key-origin requires keys"),
+        (["--api-keys", "keys.json", "--require-api-key-origin", "(https"], "must be a regular expression"),
+    ):
+        assert main(["serve", "no-such-model", *options]) == 2
+        error = capsys.readouterr().err
+        assert words in error and len(error.strip().splitlines()) == 1, error

@@ -14,6 +14,7 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from email.message import Message
 from pathlib import Path
 
@@ -22,9 +23,15 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_app import Server, call  # noqa: E402
+from test_app import Server, call, call_from  # noqa: E402
 
-from vaswani_transformer.serving.files import FileStore, safe_file_name  # noqa: E402
+from vaswani_transformer.serving.files import (  # noqa: E402
+    MAX_FILES_PER_CLIENT,
+    MAX_STORED_FILES,
+    FileStore,
+    safe_file_name,
+)
+from vaswani_transformer.serving.requests import RequestError  # noqa: E402
 
 FILE_SIZE_LIMIT, CHAR_LIMIT = 6000, 1000
 
@@ -124,9 +131,12 @@ def test_a_text_file_keeps_its_paragraphs_blank_lines_and_spacing(server, senten
     assert status == 200, answer
     status, headers, body = download(answer["translatedFileUrl"])
     t = translations(server.url, sentences[:4])
-    assert body.decode() == "  " + f"{t[0]} {t[1]}" + "\n\n\n" + t[2] + "   " + t[3] + "\n\n"
+    assert body.decode() == "  " + f"{t[0]} {t[1]}" + "\r\n\n\n" + t[2] + "   " + t[3] + "\n\n"  # CRLF kept
     assert body.decode() == translations(server.url, [text])[0]  # as /translate answers the same text
     assert status == 200 and headers["Content-Type"] == "text/plain; charset=utf-8"
+    # A Windows file: its four CRLF line ends come back as they came.
+    status, answer = translate_file(server.url, "windows.txt", "\r\n".join([*sentences[:4], ""]).encode())
+    assert status == 200 and download(answer["translatedFileUrl"])[2].decode() == "\r\n".join([*t, ""])
     # source=auto: the language detected from the file's text.
     status, answer = translate_file(server.url, "notes.txt", text.encode(), source="auto")
     assert status == 200 and download(answer["translatedFileUrl"])[2] == body
@@ -206,6 +216,27 @@ def test_a_request_without_a_file_is_refused_and_the_endpoints_are_measured(serv
     assert 'vaswani_request_duration_seconds_count{endpoint="/translate_file"}' in scraped
 
 
+def test_one_client_cannot_push_anothers_files_out_and_the_404_says_what_is_kept(server):
+    def upload(source: str, i: int) -> tuple[int, dict]:
+        body, content_type = multipart({"source": "en", "target": "de"}, {"file": (f"n{i}.txt", b"A dog runs.\n")})
+        return call_from(source, f"{server.url}/translate_file", body, content_type=content_type)
+
+    status, kept = upload("127.0.0.2", 0)
+    assert status == 200, kept
+    # One client uploads more files than the server keeps in all.
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: upload("127.0.0.3", i), range(MAX_STORED_FILES + 1)))
+    assert [status for status, _ in answers] == [200] * (MAX_STORED_FILES + 1)
+    assert download(kept["translatedFileUrl"])[0] == 200  # the other client's file is still there
+    found = [download(answer["translatedFileUrl"]) for _, answer in answers]
+    assert sum(status == 200 for status, _, _ in found) == MAX_FILES_PER_CLIENT  # its own latest
+    status, _, body = next(each for each in found if each[0] == 404)
+    assert json.loads(body)["error"] == (
+        f"Not Found: no translated file of that name: a translation is kept 30 minutes, and of one client address "
+        f"only its {MAX_FILES_PER_CLIENT} latest (POST /translate_file again)"
+    )
+
+
 def test_safe_file_name_keeps_a_plain_ascii_name_and_its_suffix():
     assert safe_file_name("../../etc/passwd.txt") == "passwd.txt"
     assert safe_file_name("C:\\Users\\me\\My page (2).html") == "My_page_2_.html"
@@ -217,22 +248,40 @@ def test_safe_file_name_keeps_a_plain_ascii_name_and_its_suffix():
 
 def test_the_store_serves_only_its_own_names_expires_old_files_and_deletes_its_directory():
     async def scenario() -> None:
-        store = FileStore(size_limit=100, lifetime=60, max_files=2)
+        store = FileStore(size_limit=100, lifetime=60, max_files=3)
         directory = store.directory
         assert directory.name.startswith("vaswani-files-") and not os.listdir(directory)
-        first = await store.save("a.txt", b"Ein Hund.", "text/plain; charset=utf-8")
+        first = await store.save("a.txt", b"Ein Hund.", "text/plain; charset=utf-8", "10.0.0.1")
         assert await store.load(first) == (b"Ein Hund.", "text/plain; charset=utf-8")
         (directory / "other.txt").write_bytes(b"not the store's")
         assert await store.load("other.txt") is None and await store.load(f"../{directory.name}/{first}") is None
-        # Beyond max_files, the oldest goes.
-        second = await store.save("b.txt", b"2", "text/plain")
-        third = await store.save("c.txt", b"3", "text/plain")
-        assert await store.load(first) is None and not (directory / first).exists()
-        assert (await store.load(second))[0] == b"2"
+        second = await store.save("b.txt", b"2", "text/plain", "10.0.0.1")
         # Past the lifetime, every file goes.
         store.lifetime = -1.0
-        assert await store.load(third) is None and not (directory / second).exists()
+        assert await store.load(second) is None and not (directory / first).exists()
+        assert not (directory / second).exists()
         store.close()
         assert not directory.exists()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_beyond_its_quota_loses_its_own_oldest_and_a_full_store_refuses_until_one_expires():
+    async def scenario() -> None:
+        store = FileStore(size_limit=100, lifetime=60, max_files=3, per_client=2)
+        other = await store.save("a.txt", b"1", "text/plain", "10.0.0.1")
+        mine = [await store.save(f"{i}.txt", b"2", "text/plain", "10.0.0.2") for i in range(3)]
+        assert [await store.load(name) is not None for name in (other, *mine)] == [True, False, True, True]
+        assert not (store.directory / mine[0]).exists()
+        # Full of other clients' files, within their lifetime: a third client is asked to come back, nothing is lost.
+        with pytest.raises(RequestError) as refused:
+            await store.save("c.txt", b"3", "text/plain", "10.0.0.3")
+        assert refused.value.status == 503 and 0 < int(refused.value.headers["Retry-After"]) <= 60
+        assert str(refused.value).startswith("the server keeps 3 translated files at most")
+        assert len(os.listdir(store.directory)) == 3
+        # A client at its quota still replaces its own oldest.
+        assert await store.load(await store.save("3.txt", b"4", "text/plain", "10.0.0.2")) == (b"4", "text/plain")
+        assert await store.load(mine[1]) is None and await store.load(other) is not None
+        store.close()
 
     asyncio.run(scenario())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Exploit, cli_arguments, mini_run, read_log
+from conftest import Exploit, cli_arguments, mini_run, one_line_error, read_log
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -82,14 +82,6 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> Non
         assert process.poll() is None, f"the run ended (status {process.returncode}) before {path} appeared"
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.01)
-
-
-def one_line_error(status: int, err: str, expected_status: int = 2) -> str:
-    # The error line, after whatever progress bars the run drew on stderr.
-    assert status == expected_status and "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("vaswani-transformer train:")]
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
 
 
 def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_recovers_bitwise(

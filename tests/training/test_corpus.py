@@ -1,10 +1,15 @@
 """Preparing a corpus once (§5.1): token ids as `tokenizer()` gives them, kept by corpus and tokenizer, never stale."""
 
+import errno
 import logging
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 from vaswani_transformer.data.corpora import AlignedFiles, corpus_fingerprint, text_batches
 from vaswani_transformer.data.tokenizer import train_tokenizer
@@ -151,6 +156,169 @@ def test_a_half_written_entry_is_never_read(small_corpus, tmp_path, tokenizer, m
     assert left == [], "no entry, and no partial directory"
     prepared = prepare(config, tokenizer)
     assert len(prepared.train) == 2000 and np.all(np.asarray(prepared.train["target_length"]) > 1)
+
+
+def cut_short(path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+DAMAGES = {
+    "validation.arrow deleted": ("corpora", lambda entry: (entry / "validation.arrow").unlink()),
+    "train.arrow cut short": ("corpora", lambda entry: cut_short(entry / "train.arrow")),
+    "train.arrow deleted": ("corpora", lambda entry: (entry / "train.arrow").unlink()),
+    "manifest.json deleted": ("corpora", lambda entry: (entry / "manifest.json").unlink()),
+    "tokenizer.json cut short": ("tokenizers", lambda entry: cut_short(entry / "tokenizer.json")),
+}
+
+
+def entry_of(cache, kind):
+    (entry,) = [path for path in (cache / kind).iterdir() if path.is_dir()]
+    return entry
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_entry_is_found_by_its_manifest_and_prepared_anew_in_one_warning(
+    damage, small_corpus, tmp_path, caplog
+):
+    # Issue 74, cases 6 and 7: a deleted validation.arrow trained without validation; a file cut short or
+    # missing stopped the run with a raw pyarrow, errno or JSON error that named no entry.
+    config = corpus_config(small_corpus, tmp_path / "cache", vocab_size=300)
+    first = prepare(config)
+    kind, damaging = DAMAGES[damage]
+    entry = entry_of(tmp_path / "cache", kind)
+    name = damage.split()[0]
+    size = (entry / name).stat().st_size
+    damaging(entry)
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.training.corpus"):
+        again = prepare(config)
+    found = f"{name} is missing" if "deleted" in damage else f"{name} holds {size // 2:,} bytes, not {size:,}"
+    assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] == [
+        f"The {'prepared corpus' if kind == 'corpora' else 'trained tokenizer'} in {entry} is damaged ({found}): "
+        "preparing it anew."
+    ]
+    assert again.directory == first.directory and len(again.train) == len(first.train) == 2000
+    assert again.validation is not None and list(again.validation["de"]) == list(first.validation["de"])
+    assert again.tokenizer.backend_tokenizer.to_str() == first.tokenizer.backend_tokenizer.to_str()
+    assert prepare(config).directory == first.directory  # whole again: opened, not prepared
+
+
+@pytest.mark.parametrize(
+    "full",
+    [
+        Exception("No space left on device (os error 28)"),  # as tokenizers' Rust writer of tokenizer.json says it
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),  # as Python's writes of the other files say it
+    ],
+    ids=["tokenizers", "python"],
+)
+def test_a_full_disk_while_the_tokenizer_is_saved_stops_in_one_line_and_leaves_no_entry(
+    full, mini_corpus, tmp_path, monkeypatch, capsys
+):
+    # Issue 74, case 8: a 25-line traceback and exit 1, where the corpus stage gives one line.
+    from conftest import cli_arguments, mini_run
+
+    from vaswani_transformer.cli import main
+
+    def trained_on_a_full_disk(*args, **kwargs):
+        trained = train_tokenizer(*args, **kwargs)
+
+        def save_pretrained(directory, *more, **options):
+            (Path(directory) / "tokenizer_config.json").write_text("{")  # what was written before the disk filled
+            raise full
+
+        trained.save_pretrained = save_pretrained
+        return trained
+
+    cache = tmp_path / "cache"
+    arguments = [*cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(cache))), "--prepare-only"]
+    monkeypatch.setattr(corpus_preparation, "train_tokenizer", trained_on_a_full_disk)
+    error = one_line_error(main(arguments), capsys.readouterr().err)
+    assert error.startswith(f"vaswani-transformer train: error: No space left in {cache / 'tokenizers'} for the "
+                            "trained tokenizer: it needs about 0.0"), error  # fmt: skip
+    assert error.endswith("Free some space, then run the same command again."), error
+    assert [path.name for path in (cache / "tokenizers").iterdir() if not path.name.endswith(".lock")] == []
+    monkeypatch.undo()
+    assert main(arguments) == 0
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """`view(directory)`: the same files at another path, on a read-only mount (a bind mount, remounted read-only),
+    where this process may mount (root on Linux); else, for a user whom permissions bind, through modes alone."""
+    mounted, copied = [], []
+
+    def view(directory):
+        path = tmp_path / f"read-only-{len(mounted) + len(copied)}"
+        path.mkdir()
+        bound = subprocess.run(["mount", "--bind", str(directory), str(path)], capture_output=True)
+        if bound.returncode == 0:
+            mounted.append(path)
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(path)], check=True)
+        elif os.geteuid() != 0:
+            copied.append(path)
+            path.rmdir()
+            shutil.copytree(directory, path, symlinks=True)
+            for inner in [path, *path.rglob("*")]:
+                inner.chmod(inner.stat().st_mode & ~0o222)
+        else:
+            pytest.skip(f"cannot mount read-only here, and root writes through modes: {bound.stderr.decode().strip()}")
+        return path
+
+    yield view
+    for path in mounted:  # lazily: a failed test's traceback may still hold a file open in it
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+    for path in copied:  # so that pytest can remove it
+        for inner in [path, *path.rglob("*")]:
+            inner.chmod(inner.stat().st_mode | 0o200)
+
+
+def test_a_prepared_cache_on_a_read_only_mount_is_used_and_what_it_lacks_is_said_in_one_line(
+    mini_corpus, tmp_path, read_only_view, capsys
+):
+    # Issue 74, case 9: a fully prepared cache on a read-only mount stopped at creating tokenizers/KEY.lock.
+    from conftest import cli_arguments, mini_run
+
+    from vaswani_transformer.cli import main
+
+    cache = tmp_path / "cache"
+    arguments = cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(cache)))
+    assert main([*arguments, "--prepare-only"]) == 0
+    prepared = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    shared = read_only_view(cache)
+    before = sorted((path.relative_to(shared), path.stat().st_mtime_ns) for path in shared.rglob("*"))
+    reading = [*cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(shared))), "--prepare-only"]
+    assert main(reading) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(shared / "corpora" / prepared.name)
+    assert main(reading[:-1]) == 0 and (tmp_path / "out" / "model.safetensors").is_file(), "trains from it"
+    assert sorted((path.relative_to(shared), path.stat().st_mtime_ns) for path in shared.rglob("*")) == before
+    # What the cache lacks cannot be prepared there: one line that says so, and where the cache may go instead.
+    other = [*cli_arguments(mini_run(mini_corpus, tmp_path / "other", vocab_size=301, data_cache_dir=str(shared)))]
+    error = one_line_error(main([*other, "--prepare-only"]), capsys.readouterr().err)
+    assert f"Cannot write to the data cache {shared / 'tokenizers'} to prepare the trained tokenizer these " in error
+    assert error.endswith(". Give --data-cache-dir a directory this process can write."), error
+
+
+def test_a_damaged_entry_on_a_read_only_mount_is_refused_in_one_line_that_says_how_to_remove_it(
+    mini_corpus, tmp_path, read_only_view, capsys
+):
+    from conftest import cli_arguments, mini_run
+
+    from vaswani_transformer.cli import main
+
+    cache = tmp_path / "cache"
+    arguments = cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(cache)))
+    assert main([*arguments, "--prepare-only"]) == 0
+    prepared = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    size = (prepared / "train.arrow").stat().st_size
+    cut_short(prepared / "train.arrow")
+    shared = read_only_view(cache)
+    entry = shared / "corpora" / prepared.name
+    reading = [*cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(shared))), "--prepare-only"]
+    error = one_line_error(main(reading), capsys.readouterr().err)
+    assert error.startswith(f"vaswani-transformer train: error: The prepared corpus in {entry} is damaged "
+                            f"(train.arrow holds {size // 2:,} bytes, not {size:,}), and the data cache cannot be "
+                            "written to prepare it anew ("), error  # fmt: skip
+    assert error.endswith(f"delete it (rm -r {entry}) where the cache can be written, or give --data-cache-dir "
+                          "another directory."), error  # fmt: skip
 
 
 def write_wmt14_layout(directory, multi30k_dir, pairs: int) -> None:

@@ -1,8 +1,11 @@
 """TrainingConfig: every setting of a run, checked when the config is made, before any work."""
 
 import pytest
+import torch
 from conftest import mini_run
 
+from vaswani_transformer.cli import main
+from vaswani_transformer.training import run
 from vaswani_transformer.training.config import TrainingConfig
 
 
@@ -24,7 +27,9 @@ def test_training_config_needs_a_budget():
         ({"choose_num_beams": [4, 0]}, r"choose_num_beams: num_beams must be at least 1 \(1 is greedy search\), got 0"),
         ({"model_overrides": {"dropuot": 0.3}}, r"dropuot is no VaswaniConfig field; did you mean dropout\?"),
         ({"model_overrides": {"vocab_size": 100}}, r"cannot set vocab_size: it comes from the tokenizer"),
+        ({"model_overrides": {"source_lang": "fr"}}, r"cannot set source_lang: it comes from --source-lang"),
         ({"model_overrides": {"dropout": 1.5}}, r"VaswaniConfig\.dropout must be a probability"),
+        ({"threads": 0}, r"--threads must be at least 1, got 0"),
     ],
 )
 def test_impossible_training_settings_are_refused_before_any_work(values, message, tmp_path):
@@ -53,3 +58,28 @@ def test_each_group_of_settings_checks_its_own_fields_and_training_config_has_th
     assert [f.name for f in fields(TrainingConfig)] == names and len(set(names)) == len(names)
     # The corpus and output directory first, as `train --help` lists them.
     assert names[:4] == ["data", "source_lang", "target_lang", "output_dir"]
+
+
+def test_train_threads_reach_torch_while_the_run_lasts(monkeypatch, tmp_path):
+    # `train` beside a busy process took 4-5 s a step on torch's one thread per core; --threads, and by default one
+    # per core this process may use less one, shared by the processes accelerate launch starts on the machine.
+    seen = []
+
+    def record(config, load=None):
+        seen.append(torch.get_num_threads())
+        raise ValueError("recorded")  # the run stops here, in one line (status 2)
+
+    monkeypatch.setattr(run, "build_run", record)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(5)), raising=False)
+    before = torch.get_num_threads()
+    argv = ["train", "--data-dir", str(tmp_path), "--source-lang", "en", "--target-lang", "de"]
+    argv += ["--output-dir", str(tmp_path / "out"), "--max-steps", "1"]
+    assert main([*argv, "--threads", "3"]) == 2 and main(argv) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert main(argv) == 2
+    assert seen == [3, 4, 2]
+    assert torch.get_num_threads() == before  # a library caller's process keeps its own
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two' is no count of processes"):
+        TrainingConfig(data="x", source_lang="en", target_lang="de", output_dir="o", max_steps=1).cpu_threads()

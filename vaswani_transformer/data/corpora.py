@@ -2,7 +2,7 @@
 
 A corpus is text files aligned by line (`AlignedFiles`, read as streams) or a `datasets` dataset (Hub or
 local folder, in `datasets`' memory-mapped files, or streamed). `train` prepares it once
-(`corpus_preparation`); `load_parallel_corpus` reads one whole into memory, for fine-tuning and tests. The
+(`training.corpus`); `load_parallel_corpus` reads one whole into memory, for fine-tuning and tests. The
 batch sampler keeps only two integer arrays of lengths.
 """
 
@@ -277,7 +277,7 @@ def load_parallel_corpus(
     """Load a parallel corpus as a `DatasetDict` with one string column per language, text files read into memory.
 
     For corpora that fit in memory (fine-tuning, tests); `train` streams its corpus instead
-    (`corpus_preparation.prepare_corpus`). See docs/robustness.md, "Bad input".
+    (`training.corpus.prepare_corpus`). See docs/robustness.md, "Bad input".
 
     Args:
         data, source_lang, target_lang, dataset_config, files: as for `corpus_splits`.

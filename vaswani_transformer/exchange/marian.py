@@ -252,6 +252,8 @@ def _marian_config(config: VaswaniConfig, max_position_embeddings: int) -> Maria
         problems.append("pre-LayerNorm layers (normalize_before=True)")
     if config.position_embedding_type != "sinusoidal":
         problems.append("learned positional embeddings")
+    if not config.scale_attention:
+        problems.append("attention without the 1/sqrt(d_k) scale (scale_attention=False)")
     if config.layer_norm_eps != 1e-5:
         problems.append(f"layer_norm_eps={config.layer_norm_eps} (Marian's is 1e-5)")
     if not config.tie_word_embeddings:

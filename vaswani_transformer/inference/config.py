@@ -2,10 +2,16 @@
 
 `translate`, `evaluate` and `serve` share these options, generated from the fields (`cli.py`) as `train`'s are
 from `TrainingConfig`: one name, one default and one help text each. `serve` adds only its own (`ServingConfig`).
-The library's `translation.translate` and `engines.load_engine` take the same defaults from here.
+The library's `translation.translate` and `engines.load_engine` take the same defaults from here, and every command
+that computes (`train`, `serve` too) its default CPU thread count (`cpu_threads`).
 """
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from ..model.generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty, check_num_beams
 from ..utils.options import option
@@ -23,6 +29,53 @@ INPUT_FORMATS = ("auto", "text", "html")
 # Sentences per generate() call where the caller does not say.
 BATCH_SIZE = 64
 ENGINE, DECODING = "engine", "decoding"  # the sections of --help
+# What every command's --threads defaults to (`cpu_threads`), for its help.
+DEFAULT_THREADS = "one per core this process may use, less one"
+
+
+def cpu_threads(threads: int | None = None, processes: int = 1) -> int:
+    """PyTorch's CPU threads for a command: `threads` where given, else `OMP_NUM_THREADS` where the environment sets
+    it (as PyTorch itself reads it), else one per core this process may use, less one.
+
+    The default of `translate`, `evaluate`, `train` and `serve --threads`. A parallel region waits for the last of
+    its threads, so a thread that another process pushes off its core stalls every operator of the model: with one
+    thread per core, a neighbour on a 2-core machine made `translate` 25x slower and `serve` answer 3 sentences a
+    second where one thread answered 252 (docs/serving.md, "Threads"). The core left over keeps the neighbour off.
+
+    Args:
+        threads: the count asked for (`--threads`), or None for the default.
+        processes: processes of this run on this machine that share its cores (`accelerate launch`'s local ones):
+            the default is divided among them.
+
+    Returns:
+        At least 1.
+
+    Raises:
+        ValueError: `threads` below 1.
+    """
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}.")
+        return threads
+    if (asked := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(asked) >= 1:
+        return int(asked)
+    # The cores the scheduler lets this process run on (a container's or `taskset`'s), not the machine's.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, (cores - 1) // max(1, processes))
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with PyTorch's intra-op CPU threads set to `threads` (`torch.set_num_threads`), then restore them.
+
+    A command's run sets them where it starts; restoring them leaves a library caller's process as it was.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -35,8 +88,8 @@ class InferenceConfig:
     See docs/serving.md, "Engines".
 
     Raises:
-        ValueError: an unknown `engine`, `long_inputs` or `input_format`, a beam size or batch size below 1, or a
-            length penalty that is no finite number.
+        ValueError: an unknown `engine`, `long_inputs` or `input_format`, a beam size, batch size or thread count
+            below 1, or a length penalty that is no finite number.
     """
 
     engine: str = option(
@@ -56,6 +109,12 @@ class InferenceConfig:
         None,
         help="torch device, e.g. cpu or cuda:0 (default: cuda if available); the ctranslate2 engine takes cpu or "
         "cuda (default: cpu)",
+        group=ENGINE,
+    )
+    threads: int | None = option(
+        None,
+        help=f"CPU threads of PyTorch's operators, and the ctranslate2 engine's intra_threads (default: "
+        f"{DEFAULT_THREADS})",
         group=ENGINE,
     )
     num_beams: int | None = option(
@@ -108,12 +167,20 @@ class InferenceConfig:
             raise ValueError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}.")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1 sentence, got {self.batch_size}.")
+        cpu_threads(self.threads)  # refuses a count below 1
         try:
             check_num_beams(self.num_beams)
             if self.length_penalty is not None:
                 check_length_penalty(self.length_penalty)
         except ValueError as error:  # named as the command line names the setting
             raise ValueError(f"--{str(error).split(' ', 1)[0].replace('_', '-')}: {error}") from None
+
+    def cpu_threads(self) -> int:
+        """PyTorch's CPU threads for this run: `threads`, or one per core this process may use less one (`cpu_threads`).
+
+        A `threads` below 1 never gets here: the config refuses it when it is made.
+        """
+        return cpu_threads(self.threads)
 
     def batch_size_for(self, interactive: bool = False) -> int:
         """Sentences per `generate()` call: `batch_size` where given, else 1 for lines typed in a terminal

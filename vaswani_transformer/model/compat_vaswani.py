@@ -117,16 +117,19 @@ def check_forward_kwargs(kwargs: dict[str, Any], where: str, *, encoder: bool = 
 
     Raises:
         TypeError: some names are neither arguments of `forward` nor ones transformers declares
-            (`TransformersKwargs`); the message names them, cache-like ones first.
+            (`TransformersKwargs`); the message names them, cache-like ones first, and where one is cache-like the
+            names under which the cache is taken. It names no culprit: the caller may be the user's code, a library
+            (PEFT, a Trainer) or transformers, which this function cannot tell apart.
     """
-    unknown = sorted(set(kwargs) - FORWARD_KWARGS, key=lambda name: not _cache_like(name))
+    unknown = sorted(set(kwargs) - FORWARD_KWARGS, key=lambda name: (not _cache_like(name), name))
     if encoder:
         unknown = [name for name in unknown if _cache_like(name)]
     if unknown:
+        cache_hint = "; it takes the key/value cache as `cache` or `past_key_values`" if _cache_like(unknown[0]) else ""
         raise TypeError(
-            f"{where}.forward() got unexpected keyword arguments {unknown}; it takes the cache as `cache` or "
-            f"`past_key_values`. If a transformers release passes these, it is newer than this model supports "
-            f"(transformers{SUPPORTED_TRANSFORMERS})."
+            f"{where}.forward() does not take the keyword argument{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(f'`{name}`' for name in unknown)}{cache_hint}: leave "
+            f"{'them' if len(unknown) > 1 else 'it'} out of the call."
         )
 
 

@@ -53,6 +53,9 @@ class VaswaniConfig(PretrainedConfig):
             each stack. Not in the paper: an option for very deep models, which train more stably so.
         scale_embedding: multiply embeddings by sqrt(d_model) (§3.4). False only for imported
             models trained without it.
+        scale_attention: divide the query-key dot products by sqrt(d_k) (§3.2.1, Eq. 1). False only for the
+            ablation row of docs/table3.md that tests the section's claim: unscaled products grow with d_k and
+            push the softmax into regions of tiny gradients.
         attention_bias: biases on the attention projections. The paper has none (§3.2.2); True
             only for imported models (HF Marian).
         activation_function: the feed-forward non-linearity; "relu" in the paper (Eq. 2). Any name of
@@ -64,13 +67,16 @@ class VaswaniConfig(PretrainedConfig):
             the tied embedding never has to carry meaning.
         tie_word_embeddings: share one matrix between source embedding, target embedding and the
             pre-softmax projection (§3.4).
+        source_lang, target_lang: the pair the model translates, codes such as "en" and "de" (`train --source-lang`
+            and `--target-lang`), which the translation pipeline's `src_lang` and `tgt_lang` are checked against;
+            None where the model does not say (saved before these fields, imported).
 
     Raises:
         ValueError: a size is not positive, a dropout or label smoothing is outside [0, 1),
             layer_norm_eps outside (0, 1), a switch not a bool, d_model odd or (with d_k or d_v unset) not
             divisible by num_attention_heads, a special token id (pad, bos, eos, decoder start) outside
-            [0, vocab_size) (bos may be None), or an option has an unknown value; checked after aliases
-            (`hidden_size`, ...) and `from_pretrained`'s overrides are applied. The message names the field.
+            [0, vocab_size) (bos may be None), a blank language, or an option has an unknown value; checked after
+            aliases (`hidden_size`, ...) and `from_pretrained`'s overrides are applied. The message names the field.
     """
 
     model_type = "vaswani_transformer"
@@ -101,6 +107,7 @@ class VaswaniConfig(PretrainedConfig):
     max_position_embeddings: int = 1024
     normalize_before: bool = False
     scale_embedding: bool = True
+    scale_attention: bool = True
     attention_bias: bool = False
     activation_function: str = "relu"
     add_final_logits_bias: bool = False
@@ -109,6 +116,8 @@ class VaswaniConfig(PretrainedConfig):
     eos_token_id: int = 2
     decoder_start_token_id: int = 1
     tie_word_embeddings: bool = True
+    source_lang: str | None = None
+    target_lang: str | None = None
     use_cache: bool = True
     is_encoder_decoder: bool = True
 
@@ -137,7 +146,7 @@ class VaswaniConfig(PretrainedConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"VaswaniConfig.{name} must be a positive integer, got {value!r}.")
-        switches = ("normalize_before", "scale_embedding", "attention_bias", "add_final_logits_bias")
+        switches = ("normalize_before", "scale_embedding", "scale_attention", "attention_bias", "add_final_logits_bias")
         for name in (*switches, "tie_word_embeddings", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
@@ -172,6 +181,9 @@ class VaswaniConfig(PretrainedConfig):
                 f"VaswaniConfig.activation_function {self.activation_function!r} is unknown; use one of "
                 f"{', '.join(sorted(ACT2FN))}."
             )
+        for name, value in (("source_lang", self.source_lang), ("target_lang", self.target_lang)):
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"VaswaniConfig.{name} must be a language code such as 'en', or None; got {value!r}.")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if name == "bos_token_id" and value is None:

@@ -1,6 +1,7 @@
-"""The layers of the Transformer (§3), in the paper's order: positions, attention, feed-forward, the layers.
+"""The layers of the Transformer (§3): positions and embeddings, attention, feed-forward, the layers.
 
-Positional encoding (§3.5), scaled dot-product and multi-head attention (§3.2), the position-wise
+Positional encoding (§3.5) and the embeddings that scale the tokens' and add it (§3.4), scaled dot-product and
+multi-head attention (§3.2), the position-wise
 feed-forward network (§3.3), and the encoder and decoder layers with their residual + LayerNorm
 sublayers (§3.1). `modeling_vaswani.py` stacks them into the model. Attention reads and writes its keys and
 values through transformers' `Cache` interface and runs the kernel the config names (`ALL_ATTENTION_FUNCTIONS`),
@@ -60,6 +61,83 @@ class LearnedPositionalEmbedding(nn.Embedding):
     extrapolate to lengths unseen in training; these cannot. Call it with `(*)` integer positions
     to get `(*, d_model)` embeddings.
     """
+
+
+# §3.4 Embeddings ----------------------------------------------------------------------------------
+
+
+class Embeddings(nn.Module):
+    """Token embedding times sqrt(d_model) plus the positional encoding, then dropout (§3.4, §3.5, §5.4).
+
+    The positional encoding is sinusoidal, or learned with `position_embedding_type="learned"`. `inputs` is how
+    the model's `forward` names this stack's inputs in messages: "" for the encoder, "decoder_" for the decoder.
+    """
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding, inputs: str = "") -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.inputs = inputs
+        self.d_model = config.d_model
+        self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        if config.position_embedding_type == "learned":
+            self.max_positions = config.max_position_embeddings
+            self.positional_encoding = LearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+        else:
+            self.max_positions = None
+            self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
+        self.dropout = config.dropout
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        past_length: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`(batch, length)` token ids -> `(batch, length, d_model)` (§3.4, §3.5); positions start at `past_length`.
+
+        With `attention_mask` `(batch, length)` and left padding, each row's positions start at its first token.
+        `position_ids`, of a shape that broadcasts to `(batch, length)`, give the positions instead.
+        `inputs_embeds`, `(batch, length, d_model)`, replace `embed_tokens(input_ids)`: they are scaled by
+        sqrt(d_model) and given their positions alike, so `embed_tokens(ids)` gives the result of `ids`. HF Marian's
+        decoder takes them so; its encoder takes them already scaled (docs/compatibility.md, "inputs_embeds").
+
+        Raises:
+            ValueError: learned positions and a sequence longer than `max_position_embeddings`; both or neither of
+                `input_ids` and `inputs_embeds`, or `inputs_embeds` of another width than d_model.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(
+                f"Give {self.inputs}input_ids or {self.inputs}inputs_embeds, exactly one of them; got "
+                f"{'both' if input_ids is not None else 'neither'}."
+            )
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.d_model):
+            raise ValueError(
+                f"{self.inputs}inputs_embeds must be (batch, length, d_model={self.d_model}) token embeddings, got "
+                f"shape {tuple(inputs_embeds.shape)}: embed ids with model.get_input_embeddings()."
+            )
+        tokens = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        end = past_length + tokens.shape[1] if position_ids is None else None
+        if self.max_positions is not None and end is None:
+            end = int(position_ids.max()) + 1
+        if self.max_positions is not None and end > self.max_positions:
+            raise ValueError(
+                f"The sequence reaches position {end} but the model learned only max_position_embeddings="
+                f"{self.max_positions} positions; shorten the input (e.g. tokenizer(..., truncation=True, "
+                f"max_length={self.max_positions})) or use sinusoidal positions."
+            )
+        embeddings = tokens * self.scale
+        if position_ids is None:
+            position_ids = torch.arange(past_length, end, device=tokens.device)
+        encoding = self.positional_encoding(position_ids)
+        if attention_mask is not None:  # the encoder's, whose positions start at 0
+            # A sentence padded on the left counts its positions from its first token: chosen row by row, with no
+            # branch on the data, which would cut torch.compile's graph (and wait for a GPU) at every call.
+            counted = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            encoding = torch.where(attention_mask[:, :1, None] == 0, encoding[counted], encoding)
+        embeddings = embeddings + encoding.to(embeddings.dtype)
+        return residual_dropout(embeddings, self.dropout, self.training)
 
 
 # §3.2 Attention -----------------------------------------------------------------------------------
@@ -174,7 +252,7 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
-        self.scaling = config.key_dim**-0.5
+        self.scaling = config.key_dim**-0.5 if config.scale_attention else 1.0  # Eq. 1's 1/sqrt(d_k)
         self.dropout = config.attention_dropout
         # Read by the SDPA path: False for non-causal attention, or an unpadded encoder batch would be masked causally.
         self.is_causal = is_causal

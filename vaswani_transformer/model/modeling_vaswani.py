@@ -1,14 +1,13 @@
 """The Transformer of Vaswani et al. (2017), "Attention Is All You Need", as a transformers model.
 
-Read after `layers_vaswani.py` (positions §3.5, attention §3.2, feed-forward §3.3, the encoder and
-decoder layers §3.1), this file follows the rest of §3 in the paper's order: the two stacks (§3.1),
-the embeddings shared by both stacks (§3.4), the model, and the translation head: the pre-softmax
+Read after `layers_vaswani.py` (embeddings and positions §3.4-3.5, attention §3.2, feed-forward §3.3, the encoder
+and decoder layers §3.1), this file follows the rest of §3 in the paper's order: the two stacks (§3.1) around
+the embedding they share (§3.4), the model, and the translation head: the pre-softmax
 projection tied to the embeddings (§3.4) and its label-smoothed loss (§5.4). Decoding (§6.1) is in
 `generation_vaswani.py`, the residual dropout and the fused loss in `ops_vaswani.py`, and the check of a
 saved model's weights in `loading_vaswani.py`.
 """
 
-import math
 from typing import Any
 
 import torch
@@ -38,15 +37,9 @@ from .compat_vaswani import (
 )
 from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import VaswaniGenerationMixin, paper_generation_config
-from .layers_vaswani import (
-    DecoderLayer,
-    EncoderLayer,
-    LearnedPositionalEmbedding,
-    MultiHeadAttention,
-    SinusoidalPositionalEncoding,
-)
+from .layers_vaswani import DecoderLayer, Embeddings, EncoderLayer, MultiHeadAttention
 from .loading_vaswani import check_weights_fit
-from .ops_vaswani import label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy, residual_dropout
+from .ops_vaswani import label_smoothed_cross_entropy, linear_label_smoothed_cross_entropy
 
 # Saving copies a model file's relative imports, and `trust_remote_code` fetches them: the pipeline's too.
 from .pipeline_vaswani import TranslationPipeline
@@ -116,7 +109,7 @@ class VaswaniStack(VaswaniPreTrainedModel):
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding, layer: type, num_layers: int) -> None:
         super().__init__(config)
-        self.embeddings = Embeddings(config, embed_tokens)
+        self.embeddings = Embeddings(config, embed_tokens, "decoder_" if layer is DecoderLayer else "")
         self.layers = nn.ModuleList([layer(config, i) for i in range(num_layers)])
         # Pre-LayerNorm leaves the last layer's output unnormalised.
         self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
@@ -137,23 +130,31 @@ class VaswaniEncoder(VaswaniStack):
     @merge_with_config_defaults
     @capture_outputs
     def forward(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
     ) -> BaseModelOutput:
         """Encode a source batch (§3.1).
 
         Args:
-            input_ids: `(batch, source_len)` token ids.
+            input_ids: `(batch, source_len)` token ids; or None, with `inputs_embeds`.
             attention_mask: `(batch, source_len)`, 1 for tokens and 0 for padding; None means no padding.
+            inputs_embeds: `(batch, source_len, d_model)` token embeddings in place of `input_ids`, as
+                `get_input_embeddings()` gives them: before the sqrt(d_model) scale and the positions (§3.4, §3.5),
+                which are applied to them as to the embeddings of ids (see `Embeddings.forward`).
             output_attentions, output_hidden_states: also return every layer's weights or outputs.
 
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(batch, source_len, d_model)`.
 
         Raises:
+            ValueError: both or neither of `input_ids` and `inputs_embeds`, or `inputs_embeds` not d_model wide.
             TypeError: a keyword argument this model does not take (`compat_vaswani.check_forward_kwargs`).
         """
         check_forward_kwargs(kwargs, type(self).__name__, encoder=True)
-        hidden_states = self.embeddings(input_ids, attention_mask=attention_mask)
+        hidden_states = self.embeddings(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
         attention_mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask
         )
@@ -180,7 +181,7 @@ class VaswaniDecoder(VaswaniStack):
     @capture_outputs
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None,
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
@@ -188,13 +189,15 @@ class VaswaniDecoder(VaswaniStack):
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
         position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """Decode a target batch given the encoder output (§3.1).
 
         Args:
             input_ids: `(batch, target_len)` decoder input ids: the target shifted right behind
-                `decoder_start_token_id`, or only the new tokens when decoding with a cache.
+                `decoder_start_token_id`, or only the new tokens when decoding with a cache; or None, with
+                `inputs_embeds`.
             encoder_hidden_states: `(batch, source_len, d_model)`.
             attention_mask: `(batch, past_len + target_len)` decoder padding mask; or a `(batch, 1, target_len,
                 keys)` boolean mask of the caller's own, True where a position may attend, used as it is (beam
@@ -206,13 +209,16 @@ class VaswaniDecoder(VaswaniStack):
             past_key_values: `cache` under its name before transformers 5.24.
             position_ids: `(batch, target_len)` positions of the inputs, or any shape that broadcasts to it (§3.5);
                 by default `past_len`, `past_len + 1`, ...
+            inputs_embeds: `(batch, target_len, d_model)` token embeddings in place of `input_ids`, before the
+                sqrt(d_model) scale and the positions, as in `VaswaniEncoder.forward`.
 
         Returns:
             `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state`
             `(batch, target_len, d_model)` and the cache (`cache`, or `past_key_values` before 5.24).
 
         Raises:
-            ValueError: the encoder output and the decoder input have different numbers of rows.
+            ValueError: the encoder output and the decoder input have different numbers of rows; both or neither of
+                `input_ids` and `inputs_embeds`, or `inputs_embeds` not d_model wide.
             TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
         check_forward_kwargs(kwargs, type(self).__name__)
@@ -220,11 +226,11 @@ class VaswaniDecoder(VaswaniStack):
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         past_length = cache_length(past_key_values) if past_key_values is not None else 0
-        hidden_states = self.embeddings(input_ids, past_length, position_ids=position_ids)
+        hidden_states = self.embeddings(input_ids, past_length, position_ids=position_ids, inputs_embeds=inputs_embeds)
         static_cache = getattr(past_key_values, "is_compileable", False)
         if attention_mask is not None and attention_mask.dim() == 4:
             causal_mask = attention_mask  # the caller's own, as transformers' mask functions take one
-        elif input_ids.shape[1] == 1 and attention_mask is None and not static_cache:
+        elif hidden_states.shape[1] == 1 and attention_mask is None and not static_cache:
             # One new position, which may attend to every earlier one, and a cache that holds only those (a static
             # one also holds empty slots): nothing to mask, which `create_causal_mask` would take a while to find.
             causal_mask = None
@@ -272,64 +278,6 @@ class VaswaniDecoder(VaswaniStack):
         )
 
 
-# §3.4 Embeddings ----------------------------------------------------------------------------------
-
-
-class Embeddings(nn.Module):
-    """Token embedding times sqrt(d_model) plus the positional encoding, then dropout (§3.4, §3.5, §5.4).
-
-    The positional encoding is sinusoidal, or learned with `position_embedding_type="learned"`.
-    """
-
-    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        if config.position_embedding_type == "learned":
-            self.max_positions = config.max_position_embeddings
-            self.positional_encoding = LearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-        else:
-            self.max_positions = None
-            self.positional_encoding = SinusoidalPositionalEncoding(config.d_model)
-        self.dropout = config.dropout
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        past_length: int = 0,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`(batch, length)` token ids -> `(batch, length, d_model)` (§3.4, §3.5); positions start at `past_length`.
-
-        With `attention_mask` `(batch, length)` and left padding, each row's positions start at its first token.
-        `position_ids`, of a shape that broadcasts to `(batch, length)`, give the positions instead.
-
-        Raises:
-            ValueError: learned positions and a sequence longer than `max_position_embeddings`.
-        """
-        end = past_length + input_ids.shape[1] if position_ids is None else None
-        if self.max_positions is not None and end is None:
-            end = int(position_ids.max()) + 1
-        if self.max_positions is not None and end > self.max_positions:
-            raise ValueError(
-                f"The sequence reaches position {end} but the model learned only max_position_embeddings="
-                f"{self.max_positions} positions; shorten the input (e.g. tokenizer(..., truncation=True, "
-                f"max_length={self.max_positions})) or use sinusoidal positions."
-            )
-        embeddings = self.embed_tokens(input_ids) * self.scale
-        if position_ids is None:
-            position_ids = torch.arange(past_length, end, device=input_ids.device)
-        encoding = self.positional_encoding(position_ids)
-        if attention_mask is not None:  # the encoder's, whose positions start at 0
-            # A sentence padded on the left counts its positions from its first token: chosen row by row, with no
-            # branch on the data, which would cut torch.compile's graph (and wait for a GPU) at every call.
-            counted = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            encoding = torch.where(attention_mask[:, :1, None] == 0, encoding[counted], encoding)
-        embeddings = embeddings + encoding.to(embeddings.dtype)
-        return residual_dropout(embeddings, self.dropout, self.training)
-
-
 # The model ----------------------------------------------------------------------------------------
 
 
@@ -369,6 +317,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         """Encode the source (unless `encoder_outputs` is given) and decode the target (§3.1).
@@ -382,18 +332,25 @@ class VaswaniModel(VaswaniPreTrainedModel):
             encoder_outputs: reuse an earlier encoding of the source.
             cache, use_cache, past_key_values: see `VaswaniDecoder.forward`.
             decoder_position_ids: the decoder inputs' positions (see `VaswaniDecoder.forward`), or None.
+            inputs_embeds, decoder_inputs_embeds: `(batch, source_len, d_model)` and `(batch, target_len, d_model)`
+                token embeddings in place of `input_ids` and `decoder_input_ids`, as transformers' seq2seq models
+                take them (PEFT's prompt tuning does): before the sqrt(d_model) scale, which is applied to them as to
+                `get_input_embeddings()(ids)`, so that those give the outputs of the ids (see `Embeddings.forward`).
 
         Returns:
             `Seq2SeqModelOutput` with the decoder's `last_hidden_state` `(batch, target_len, d_model)`.
 
         Raises:
-            ValueError: `encoder_outputs` and `decoder_input_ids` have different numbers of rows.
+            ValueError: `encoder_outputs` and `decoder_input_ids` have different numbers of rows; both or neither of
+                an input's ids and embeddings, or embeddings not d_model wide.
             TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
         check_forward_kwargs(kwargs, type(self).__name__)
         cache = one_cache(cache, past_key_values)
         if encoder_outputs is None:
-            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         decoder_outputs = self.decoder(
@@ -404,6 +361,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             cache=cache,
             use_cache=use_cache,
             position_ids=decoder_position_ids,
+            inputs_embeds=decoder_inputs_embeds,
             **kwargs,
         )
         return Seq2SeqModelOutput(
@@ -467,6 +425,8 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         num_items_in_batch: int | torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """Next-token logits for every target position and, given `labels`, the label-smoothed loss (§3.4, §5.4).
@@ -474,9 +434,11 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         Args:
             input_ids: `(batch, source_len)` source ids.
             attention_mask: `(batch, source_len)` source padding mask (1 = token).
-            decoder_input_ids: `(batch, target_len)`; derived from `labels` with `shift_tokens_right` if None.
+            decoder_input_ids: `(batch, target_len)`; derived from `labels` with `shift_tokens_right` if None and
+                `decoder_inputs_embeds` is None.
             decoder_attention_mask: `(batch, target_len)`, a caller's own 4-D mask, or None.
-            encoder_outputs, cache, use_cache, past_key_values, decoder_position_ids: see `VaswaniModel.forward`.
+            encoder_outputs, cache, use_cache, past_key_values, decoder_position_ids, inputs_embeds,
+                decoder_inputs_embeds: see `VaswaniModel.forward`.
             labels: `(batch, target_len)` target ids ending in `</s>`, -100 on padding.
             num_items_in_batch: target tokens of the whole optimizer step (see
                 `label_smoothed_cross_entropy`); passed by the Trainer under gradient accumulation.
@@ -488,16 +450,18 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
             never holds all of them. Call without `labels`, or under `torch.no_grad()`, to get them.
 
         Raises:
-            ValueError: neither `decoder_input_ids` nor `labels` is given, or `encoder_outputs` and the decoder
-                input have different numbers of rows.
+            ValueError: none of `decoder_input_ids`, `decoder_inputs_embeds` and `labels` is given, `encoder_outputs`
+                and the decoder input have different numbers of rows, or as `VaswaniModel.forward`.
             TypeError: both `cache` and `past_key_values`, or a keyword argument this model does not take.
         """
         if labels is not None:
             use_cache = False
-            if decoder_input_ids is None:
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if decoder_input_ids is None:
-            raise ValueError("VaswaniForConditionalGeneration needs decoder_input_ids or labels to decode.")
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "VaswaniForConditionalGeneration needs decoder_input_ids, decoder_inputs_embeds or labels to decode."
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -507,6 +471,8 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
             cache=one_cache(cache, past_key_values),
             use_cache=use_cache,
             decoder_position_ids=decoder_position_ids,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
             **kwargs,
         )
         hidden_states, epsilon = outputs.last_hidden_state, self.config.label_smoothing
@@ -540,8 +506,8 @@ class VaswaniForConditionalGeneration(VaswaniGenerationMixin, VaswaniPreTrainedM
         return (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
+            and type(self.lm_head) is nn.Linear  # first: a quantized one has no weight tensor to read
             and (hidden_states.requires_grad or self.lm_head.weight.requires_grad)
-            and type(self.lm_head) is nn.Linear
             and self.lm_head.bias is None
             and not self.lm_head._forward_pre_hooks
             and not hasattr(self.lm_head, "_hf_hook")

@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 from transformers import Pipeline
+from transformers.utils import logging
 
 from .compat_vaswani import pipeline_generate_kwargs
+
+logger = logging.get_logger(__name__)
 
 
 class TranslationPipeline(Pipeline):
@@ -22,7 +25,11 @@ class TranslationPipeline(Pipeline):
     Generation parameters (`num_beams`, `max_new_tokens`, ...) can be given at creation or per call,
     and so can transformers 4's `truncation` (default True: inputs longer than the tokenizer's
     `model_max_length` are cut there; False leaves them whole) and `clean_up_tokenization_spaces`. A
-    blank input translates to an empty string, as with `translate()`.
+    blank input translates to an empty string, as with `translate()`. `src_lang` and `tgt_lang`, the
+    language arguments of transformers' translation pipeline, are checked against the pair the model
+    translates (`VaswaniConfig.source_lang`, `target_lang`; a region or script after the language, as in
+    "en_XX" or "de-DE", is ignored) and otherwise unused: the model translates one pair. A model whose
+    config does not say its pair takes them with one warning.
     """
 
     _pipeline_calls_generate = True
@@ -41,9 +48,16 @@ class TranslationPipeline(Pipeline):
         return results
 
     def _sanitize_parameters(
-        self, truncation: bool | None = None, clean_up_tokenization_spaces: bool | None = None, **generate_kwargs: Any
+        self,
+        truncation: bool | None = None,
+        clean_up_tokenization_spaces: bool | None = None,
+        src_lang: str | None = None,
+        tgt_lang: str | None = None,
+        **generate_kwargs: Any,
     ) -> tuple[dict, dict, dict]:
-        # The tokenizer's options to the steps that tokenize and decode, the rest to generate().
+        # The languages are checked here, at creation and at every call, before any work; the tokenizer's options go
+        # to the steps that tokenize and decode, the rest to generate().
+        self._check_languages(src_lang, tgt_lang)
         preprocess = {} if truncation is None else {"truncation": truncation}
         postprocess = (
             {}
@@ -51,6 +65,31 @@ class TranslationPipeline(Pipeline):
             else {"clean_up_tokenization_spaces": clean_up_tokenization_spaces}
         )
         return preprocess, generate_kwargs, postprocess
+
+    def _check_languages(self, src_lang: str | None, tgt_lang: str | None) -> None:
+        """Refuse a `src_lang` or `tgt_lang` other than the model's source or target language, in one line.
+
+        Raises:
+            ValueError: a language that is not the model's (the message names the model's pair), or no string.
+        """
+        config = self.model.config
+        pair = (getattr(config, "source_lang", None), getattr(config, "target_lang", None))
+        given = {"src_lang": (src_lang, pair[0]), "tgt_lang": (tgt_lang, pair[1])}
+        for name, (language, known) in given.items():
+            if language is None:
+                continue
+            if not isinstance(language, str) or not language.strip():
+                raise ValueError(f"{name} must be a language code such as 'en', got {language!r}.")
+            if known is None:
+                logger.warning_once(
+                    f"This model's config does not say which languages it translates (source_lang, target_lang): "
+                    f"{name}={language!r} is taken unchecked."
+                )
+            elif _primary_language(language) != _primary_language(known):
+                raise ValueError(
+                    f"This model translates {pair[0] or '?'} to {pair[1] or '?'}, not {name}={language!r}: give "
+                    f"{name}={known!r} or leave it out."
+                )
 
     def preprocess(self, text: str, truncation: bool = True) -> dict[str, torch.Tensor]:
         """Tokenize one source sentence: `input_ids` and `attention_mask`, `(1, source_len)`, truncated to the
@@ -89,3 +128,8 @@ class TranslationPipeline(Pipeline):
         if model_outputs["blank"].item():
             texts = [""] * len(texts)
         return [{"translation_text": text} for text in texts]
+
+
+def _primary_language(code: str) -> str:
+    # "en", "EN", "en-US" and "en_XX" (mBART's form) name one language (BCP 47's primary subtag).
+    return code.strip().replace("_", "-").split("-")[0].lower()

@@ -20,6 +20,7 @@
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import errno
 import logging
@@ -27,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from importlib import resources
@@ -54,7 +56,7 @@ from .detection import LanguageDetector
 from .files import FileStore, file_routes
 from .metrics import ServingMetrics
 from .models import ServedModel, choose_model
-from .requests import Limits, RequestError, parse_translate_request, request_fields
+from .requests import Limits, RequestError, client_address, parse_translate_request, request_fields
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ def create_app(
 
     Args:
         models: one per language pair, each with its own batcher, closed (its queue drained) when the app shuts down.
-        access: checks API keys and counts requests (`/translate`, `/detect`).
+        access: checks API keys and counts requests (`/translate`, `/translate_file`, `/detect`).
         detector: detects the language of `source=auto` and of `/detect`.
         metrics: what `GET /metrics` answers; the app counts requests, latency and sentences.
         alternatives_limit: the most alternatives one text may ask for.
@@ -229,8 +231,7 @@ def _metrics_routes(metrics: ServingMetrics) -> APIRouter:
 async def _checked_fields(request: Request, limits: Limits, access: Access) -> tuple[dict, int]:
     # The fields of a request, its key checked and its request counted; the character limit of its key.
     fields = await request_fields(request, limits.body_bytes())
-    client = request.client.host if request.client else "unknown"
-    return fields, access.check(fields.get("api_key"), client)
+    return fields, access.check(fields.get("api_key"), client_address(request), request.headers.get("origin"))
 
 
 def _detect_routes(limits: Limits, access: Access, detector: LanguageDetector) -> APIRouter:
@@ -357,8 +358,9 @@ def serve(
     Args:
         models: model directories or Hub ids, each alone or as `SRC-TGT=MODEL` (`parse_models`); each language pair
             is batched on its own (`MicroBatcher`).
-        config: where to listen, how to batch (`MicroBatcher`), what one request may ask for
-            (`Limits`), keys, request limits and the languages to detect; default `ServingConfig()`.
+        config: where to listen and which proxies' headers uvicorn trusts (none by default), how to batch
+            (`MicroBatcher`), what one request may ask for (`Limits`), keys (required or not), request limits and the
+            languages to detect; default `ServingConfig()`.
             `config.cpu_threads()` sets the CPU threads of one `generate()` (`torch.set_num_threads`; CTranslate2's
             `intra_threads`): `--threads`, or one per core less one, leaving a core to the HTTP side and to other
             processes, whose competition slows a parallel region that waits for every one of its threads.
@@ -390,9 +392,11 @@ def serve(
         try:
             for source, target, model in pairs:
                 served.append(_served_model(source, target, model, config, inference, metrics))
-            access = Access(keys, config.req_limit, config.char_limit)
+            access = Access(
+                keys, config.req_limit, config.char_limit, config.require_api_key, config.require_api_key_origin
+            )
             app = create_app(served, access, detector, metrics, config.alternatives_limit, config.file_size_limit)
-            _run(app, sock, _banner(pairs, served, sock), config.access_log)
+            _run(app, sock, _banner(pairs, served, sock), config)
         finally:
             for each in served:
                 each.batcher.close()  # after a failed start too; a no-op after the app's own shutdown
@@ -420,9 +424,39 @@ def _banner(pairs: list[tuple[str, str, str]], served: list[ServedModel], sock: 
     return f"Serving {names} on http://{shown}:{bound_port}"
 
 
-def _run(app: FastAPI, sock: socket.socket, banner: str, access_log: bool) -> None:
-    # uvicorn serving `app` on the bound socket until SIGTERM or SIGINT, then answering what it received.
-    server_config = uvicorn.Config(app, log_level="info", access_log=access_log, timeout_graceful_shutdown=None)
+class _HiddenKeys(logging.Filter):
+    """uvicorn's access log with the value of each `api_key` of a request's query string replaced by `***`: the
+    server refuses a key there, but the request is logged all the same, and no key may reach a log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access records: (client, method, path with query string, HTTP version, status).
+        if isinstance(record.args, tuple) and len(record.args) == 5 and isinstance(record.args[2], str):
+            client, method, path, version, status = record.args
+            head, sep, query = path.partition("?")
+            parts = query.split("&") if sep else []
+            hidden = [
+                "api_key=***" if urllib.parse.unquote_plus(p.partition("=")[0]) == "api_key" else p for p in parts
+            ]
+            record.args = (client, method, head + sep + "&".join(hidden), version, status)
+        return True
+
+
+def _run(app: FastAPI, sock: socket.socket, banner: str, config: ServingConfig) -> None:
+    # uvicorn serving `app` on the bound socket until SIGTERM or SIGINT, then answering what it received. Proxy
+    # headers are uvicorn's to read, from the addresses named alone: uvicorn's default trusts 127.0.0.1, which lets
+    # any client on the machine, or a proxy that passes the header on, name itself another client.
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["filters"] = {"hidden_keys": {"()": _HiddenKeys}}
+    log_config["loggers"]["uvicorn.access"]["filters"] = ["hidden_keys"]
+    server_config = uvicorn.Config(
+        app,
+        log_level="info",
+        log_config=log_config,
+        access_log=config.access_log,
+        proxy_headers=config.forwarded_allow_ips is not None,
+        forwarded_allow_ips=config.forwarded_allow_ips,
+        timeout_graceful_shutdown=None,
+    )
     if threading.current_thread() is threading.main_thread():
         # uvicorn catches SIGTERM and SIGINT, shuts down gracefully, then raises the signal again
         # under the handler it found: one that does nothing lets that graceful end exit with 0.

@@ -8,15 +8,18 @@ extra.
 """
 
 import math
-import os
+import re
 from dataclasses import dataclass
 
+from ..inference.config import cpu_threads
 from ..utils.options import option
 
 # The sections of `serve --help`.
 BATCHING = "micro-batching (one sentence at a time: --batch-wait-ms 0 --batch-size 1)"
 LIMITS = "limits of one request (HTTP 400 beyond them; 503 past --request-timeout)"
-ACCESS = "keys, request limits (403 for a wrong key, 429 past a limit) and language detection"
+ACCESS = (
+    "keys, request limits (403 for a wrong key, 429 past a limit, 400 without a required key) and language detection"
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class ServingConfig:
 
     Raises:
         ValueError: a wait outside 0 to 60,000 ms, a budget, limit or thread count below 1, a port outside 0
-            to 65535, or a request timeout that is no finite number above 0.
+            to 65535, a request timeout that is no finite number above 0, a key required without `--api-keys`, or
+            a `--require-api-key-origin` that is no regular expression.
     """
 
     host: str = option("127.0.0.1", help="address to listen on", group="server")
@@ -43,9 +47,16 @@ class ServingConfig:
     )
     access_log: bool = option(
         True,
-        help="log each request (uvicorn's access log); the flag turns it off",
+        help="log each request (uvicorn's access log, any api_key in a URL hidden); the flag turns it off",
         group="server",
         flag="--no-access-log",
+    )
+    forwarded_allow_ips: str | None = option(
+        None,
+        help="addresses of the proxies whose X-Forwarded-For and X-Forwarded-Proto headers are trusted, "
+        "comma-separated (uvicorn's --forwarded-allow-ips; '*' for any): the limits and files then count the client "
+        "a proxy names (default: none; every request counts by the address it came from)",
+        group="server",
     )
     batch_wait_ms: float = option(
         5.0, help="after the first waiting request, collect others this many milliseconds", group=BATCHING
@@ -74,7 +85,21 @@ class ServingConfig:
     api_keys: str | None = option(
         None,
         help='JSON file of API keys and their limits, {"KEY": {"req_limit": 60, "char_limit": 5000}}: a request '
-        "with another key is refused (403); one without a key has the server's limits",
+        "with another key is refused (403); one without a key is still served, under the server's limits, unless "
+        "--require-api-key",
+        group=ACCESS,
+    )
+    require_api_key: bool = option(
+        False,
+        help="refuse every request without a key of --api-keys (400) to /translate, /translate_file and /detect; the "
+        "page at / sends none",
+        group=ACCESS,
+    )
+    require_api_key_origin: str | None = option(
+        None,
+        help="refuse requests without a key of --api-keys (400), except those whose Origin header matches this "
+        "regular expression (LibreTranslate's option; a browser sends its page's origin, but any other client may "
+        "write any: no lock)",
         group=ACCESS,
     )
     req_limit: int | None = option(
@@ -102,17 +127,22 @@ class ServingConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
         if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
             raise ValueError(f"--request-timeout must be finite seconds above 0, got {self.request_timeout}.")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {self.threads}.")
+        cpu_threads(self.threads)  # refuses a count below 1
+        for name in ("require_api_key", "require_api_key_origin"):
+            if getattr(self, name) not in (None, False) and self.api_keys is None:
+                raise ValueError(f"--{name.replace('_', '-')} requires keys: give them with --api-keys FILE.")
+        if self.require_api_key_origin is not None:
+            try:
+                re.compile(self.require_api_key_origin)
+            except re.error as error:
+                raise ValueError(
+                    f"--require-api-key-origin must be a regular expression, got {self.require_api_key_origin!r} "
+                    f"({error})."
+                ) from None
 
     def cpu_threads(self) -> int:
-        """The CPU threads of one `generate()`: `threads`, or one per core this process may use less one, at least one.
+        """The CPU threads of one `generate()`: `threads`, or `inference.config.cpu_threads`'s default.
 
-        The core left over answers HTTP and lets another process run beside the server: a parallel region waits for
-        its last thread, so a thread that another process pushes off its core stalls every operator of the model
-        (docs/serving.md, "Threads").
+        The core left over answers HTTP and lets another process run beside the server (docs/serving.md, "Threads").
         """
-        if self.threads is not None:
-            return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, cores - 1)
+        return cpu_threads(self.threads)

@@ -1,9 +1,9 @@
 """What one `POST /translate` may ask for, and how its fields are read: LibreTranslate's API, checked.
 
-JSON, form and multipart bodies and the query string give the same fields; each is checked against the
-server's `Limits` (characters, texts, sentences, the model's length limit) before any sentence is queued, and a
-refusal is a `RequestError` that names the field (HTTP 400, LibreTranslate's `{"error": ...}`). See
-docs/serving.md, "Bad input".
+JSON, form and multipart bodies and the query string give the same fields, but for `api_key`, which only a body
+may carry (logs and proxies keep a URL); each is checked against the server's `Limits` (characters, texts,
+sentences, the model's length limit) before any sentence is queued, and a refusal is a `RequestError` that names the
+field (HTTP 400, LibreTranslate's `{"error": ...}`). See docs/serving.md, "Bad input".
 """
 
 import json
@@ -165,10 +165,15 @@ async def request_fields(request: Request, max_bytes: int, max_files: int = 0) -
     A multipart body may hold up to `max_files` files (`POST /translate_file`'s one), each an `UploadFile` field.
 
     Raises:
-        RequestError: a body over `max_bytes` (413); a malformed body, a field of the query string or
-            of a form that is not UTF-8 (named), or a client gone before the body ended (400).
+        RequestError: a body over `max_bytes` (413); an `api_key` in the query string, a malformed body, a field of
+            the query string or of a form that is not UTF-8 (named), or a client gone before the body ended (400).
     """
     fields = _urlencoded_fields(request.scope["query_string"], "query string")
+    if "api_key" in fields:  # LibreTranslate's clients send it in the body, where no access log prints it
+        raise RequestError(
+            "Invalid request: api_key in the URL, which logs and proxies keep: send it in the body (the api_key field "
+            "of the JSON or form)"
+        )
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
@@ -209,6 +214,13 @@ async def request_fields(request: Request, max_bytes: int, max_files: int = 0) -
             f"Invalid request: the JSON body must be an object with q, source and target, not {type(parsed).__name__}"
         )
     return fields | parsed
+
+
+def client_address(request: Request) -> str:
+    """The address of the client that sent `request`, which the limits and the files' quota count: its socket's
+    peer, or the client a trusted proxy names (`--forwarded-allow-ips`, uvicorn's); "unknown" where there is none.
+    """
+    return request.client.host if request.client else "unknown"
 
 
 class _MultiPartParser(MultiPartParser):

@@ -26,7 +26,7 @@ def run_tokenizer(config: TrainingConfig, resuming: bool) -> PreTrainedTokenizer
 
     Returns:
         The tokenizer, its `model_max_length` the run's `max_length` (translation truncates to it); None where the
-        run trains one (`corpus_preparation.prepare_corpus`).
+        run trains one (`training.corpus.prepare_corpus`).
 
     Raises:
         OSError: the saved or given tokenizer cannot be loaded (`AutoTokenizer.from_pretrained`).
@@ -52,7 +52,7 @@ def token_batches(
     """A DataLoader of this process's token-budget batches (`TokenBatchSampler`, §5.1), padded to multiples of `pad_to`.
 
     Args:
-        split: a prepared split (`corpus_preparation.PreparedCorpus`): `input_ids` and `labels` of each pair.
+        split: a prepared split (`training.corpus.PreparedCorpus`): `input_ids` and `labels` of each pair.
         tokenizer: its tokenizer, for the padding.
         max_tokens: padded tokens per batch and side.
         shuffle: shuffle the batches every epoch (training), with `seed`; else in order (validation).
@@ -94,7 +94,7 @@ def run_batches(
     """This process's training and validation batches (`token_batches`), checked to give every process some.
 
     Args:
-        corpus: the prepared corpus (`corpus_preparation.prepare_corpus`) and its tokenizer.
+        corpus: the prepared corpus (`training.corpus.prepare_corpus`) and its tokenizer.
         config: the run's settings (`max_tokens`, `seed`, `compile`: compiled runs pad lengths to multiples of 8).
         accelerator: this process's place among the processes.
 

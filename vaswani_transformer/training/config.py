@@ -12,12 +12,15 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..inference.config import DEFAULT_THREADS, cpu_threads
 from ..model.configuration_vaswani import PRESETS, VaswaniConfig
 from ..model.generation_vaswani import PAPER_LENGTH_PENALTY, PAPER_NUM_BEAMS, check_length_penalty, check_num_beams
 from ..utils.options import option
 
 # VaswaniConfig fields that `train` takes from the tokenizer it trains or loads, never from --model-option.
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+# VaswaniConfig fields that `train` takes from --source-lang and --target-lang, never from --model-option.
+LANGUAGE_FIELDS = ("source_lang", "target_lang")
 
 # The settings that make a run what it is: its corpus, model, batches (`compile` pads them), schedule, precision and
 # the measure its best checkpoint is chosen by (BLEU or loss: `bleu_sentences` above 0 or not). A resumed run keeps
@@ -89,7 +92,8 @@ class ModelConfig:
 
     Raises:
         ValueError: an unknown `preset`; a `model_overrides` key that is no VaswaniConfig field or is set from
-            the tokenizer, or an impossible value; a `vocab_size` that is not positive, a negative `tokenizer_sample`.
+            the tokenizer or the languages, or an impossible value; a `vocab_size` that is not positive, a negative
+            `tokenizer_sample`.
     """
 
     preset: str = option(
@@ -125,13 +129,17 @@ class ModelConfig:
     def _check_model_overrides(self) -> None:
         # Before the corpus is read and a tokenizer trained: a misspelt key would otherwise become an attribute
         # that nothing reads, and an impossible value would fail only when the model is built.
-        fields = [name for name in VaswaniConfig.__annotations__ if name not in TOKENIZER_FIELDS]
+        fields = [name for name in VaswaniConfig.__annotations__ if name not in TOKENIZER_FIELDS + LANGUAGE_FIELDS]
         fields.append("attn_implementation")  # transformers' choice of attention code (eager: Eq. 1 spelled out)
         for key in self.model_overrides:
             if key in TOKENIZER_FIELDS:
                 raise ValueError(
                     f"model_overrides (--model-option) cannot set {key}: it comes from the tokenizer "
                     "(--vocab-size sets the size of the one trained, --tokenizer gives another)."
+                )
+            if key in LANGUAGE_FIELDS:
+                raise ValueError(
+                    f"model_overrides (--model-option) cannot set {key}: it comes from --{key.replace('_', '-')}."
                 )
             if key not in fields:
                 close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
@@ -334,10 +342,11 @@ class FaultConfig:
 
 @dataclass
 class ComputeConfig:
-    """How a run computes and reports: its precision, compilation, the device's peak for the MFU, trackers, seed.
+    """How a run computes and reports: its precision, compilation, CPU threads, the device's peak for the MFU,
+    trackers, seed.
 
     Raises:
-        ValueError: an unknown `mixed_precision`, or a `peak_tflops` that is not positive.
+        ValueError: an unknown `mixed_precision`, a `peak_tflops` that is not positive, or `threads` below 1.
     """
 
     mixed_precision: str = option(
@@ -358,6 +367,12 @@ class ComputeConfig:
         "(MFU); none: known for H100, H200 and A100 in bf16 and fp16",
         group="speed",
     )
+    threads: int | None = option(
+        None,
+        help=f"CPU threads of PyTorch's operators in each process (by default {DEFAULT_THREADS}, divided among the "
+        "processes accelerate launch starts on this machine)",
+        group="speed",
+    )
     report_to: list[str] = option([], help="an Accelerate tracker to log to, e.g. tensorboard (repeatable)")
     seed: int = option(1, help="random seed of initialisation, dropout and batch order")
 
@@ -368,6 +383,19 @@ class ComputeConfig:
             raise ValueError(
                 f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}; got {self.mixed_precision!r}."
             )
+        cpu_threads(self.threads)  # refuses a count below 1
+
+    def cpu_threads(self) -> int:
+        """PyTorch's CPU threads of each process of the run: `threads`, or the cores this process may use less one,
+        divided among the processes that `accelerate launch` started on this machine (`LOCAL_WORLD_SIZE`).
+
+        Raises:
+            ValueError: `LOCAL_WORLD_SIZE` is set to something other than a positive count.
+        """
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if not local.isdigit() or int(local) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is no count of processes: unset it or give one, e.g. 2.")
+        return cpu_threads(self.threads, processes=int(local))
 
 
 # A dataclass lists the fields of its last base first: the options of `train --help` follow the order of the groups

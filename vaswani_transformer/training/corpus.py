@@ -14,23 +14,26 @@ process of a multi-process run open what the first one wrote instead. Preparing:
 
 The cache is `data_cache_dir`, by default `$HF_DATASETS_CACHE/vaswani_transformer`: `tokenizers/<key>/` and
 `corpora/<key>/`. Each entry is written into a temporary directory and renamed whole, under a file lock, so that
-concurrent runs and processes prepare a corpus once and none reads half of one. Nothing removes old entries.
+concurrent runs and processes prepare a corpus once and none reads half of one. Its `manifest.json`, written last,
+lists its files and their sizes: an entry whose files are missing, of other sizes, or unreadable is damaged, and is
+prepared anew (or, where the cache cannot be written, refused with how to remove it). A whole entry is opened
+without the lock, so that a cache on a read-only mount serves what it holds. Nothing removes old entries.
 
 See docs/data.md.
 """
 
 import collections
-import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import datasets
 import numpy as np
@@ -48,7 +51,8 @@ from .config import TrainingConfig
 logger = logging.getLogger(__name__)
 
 # Raised whenever the files' layout changes: entries written in an earlier one are then never read.
-FORMAT_VERSION = 1
+# 2: every entry's manifest.json lists its files and their sizes.
+FORMAT_VERSION = 2
 # The splits a run learns from; test splits are for `evaluate`.
 SPLITS = ("train", "validation")
 # Pairs encoded at a time: enough to keep every core busy in Rust, few enough to hold in memory.
@@ -105,7 +109,8 @@ def prepare_corpus(
         FileNotFoundError, ValueError: as `data.corpus_splits` and `data.AlignedFiles` raise them (a missing,
             empty or misaligned file, a line that is not UTF-8); or `tokenizer` is no fast tokenizer, or one that
             encodes targets otherwise than sources.
-        OSError: the cache's disk has no room for the prepared corpus.
+        OSError: the cache's disk has no room for the tokenizer or the prepared corpus; or the cache cannot be
+            written (a read-only mount) and lacks the entry, or holds it damaged (the message says how to remove it).
     """
     found = corpus_splits(
         config.data, config.source_lang, config.target_lang, config.dataset_config, config.files, config.streaming
@@ -136,18 +141,18 @@ def prepare_corpus(
     if streamed is not None:  # a stream's training pairs are encoded as they arrive (`corpus_streaming`)
         splits.pop("train", None)
     directory = root / "corpora" / _key(settings)
-    with _built_once(directory) as building:
-        if building is not None:
-            with room_for(building, _text_bytes(splits), "the prepared corpus", "give --data-cache-dir elsewhere"):
-                _write_splits(building, splits, encoder, config, settings)
-    counts = json.loads((directory / "manifest.json").read_text())["splits"]
+
+    def write(building: Path) -> None:
+        with room_for(directory.parent, _text_bytes(splits), "the prepared corpus", _AGAIN):
+            _write_splits(building, splits, encoder, config, settings)
+
+    counts, opened = _kept_entry(directory, "prepared corpus", write, _open_splits)
     if "train" in counts:
         _report_left_out(counts["train"], config.max_length)
-    validation = directory / "validation.arrow"
     return PreparedCorpus(
         tokenizer=tokenizer,
-        train=streamed if streamed is not None else datasets.Dataset.from_file(str(directory / "train.arrow")),
-        validation=datasets.Dataset.from_file(str(validation)) if validation.exists() else None,
+        train=streamed if streamed is not None else opened["train"],
+        validation=opened.get("validation"),
         directory=directory,
         training_pairs=counts["train"]["pairs"] if "train" in counts else None,
     )
@@ -158,20 +163,113 @@ def _key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
 
 
-@contextlib.contextmanager
-def _built_once(directory: Path) -> Iterator[Path | None]:
-    # Under the entry's lock: None where it exists; else a temporary directory to fill, renamed to it on success.
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{directory}.lock"):
-        if directory.is_dir():
-            yield None
-            return
+# What a message of a full disk tells the user to do once there is room.
+_AGAIN = "run the same command again"
+_Opened = TypeVar("_Opened")
+
+
+class _Damaged(Exception):
+    """An entry that is there but not whole: its message says what is wrong with it."""
+
+
+def _kept_entry(
+    directory: Path, what: str, write: Callable[[Path], None], open_entry: Callable[[Path], _Opened]
+) -> _Opened:
+    # The cache entry at `directory`, opened by `open_entry`; where it is absent or damaged, first `write` into a
+    # temporary directory under the entry's lock, renamed to it whole. A whole entry is opened without the lock: a
+    # renamed entry is never written again, and a cache on a read-only mount could not create the lock file.
+    damage = None
+    if directory.is_dir():
+        try:
+            return open_entry(directory)
+        except _Damaged as error:
+            damage = str(error)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{directory}.lock")
+        lock.acquire()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if damage is not None:
+            raise OSError(
+                f"The {what} in {directory} is damaged ({damage}), and the data cache cannot be written to prepare it "
+                f"anew ({reason}): delete it (rm -r {directory}) where the cache can be written, or give "
+                "--data-cache-dir another directory."
+            ) from error
+        raise OSError(
+            f"Cannot write to the data cache {directory.parent} to prepare the {what} these settings need: {reason}. "
+            "Give --data-cache-dir a directory this process can write."
+        ) from error
+    try:
+        if directory.is_dir():  # another process may have prepared it meanwhile
+            try:
+                return open_entry(directory)
+            except _Damaged as error:
+                logger.warning("The %s in %s is damaged (%s): preparing it anew.", what, directory, error)
+                shutil.rmtree(directory)
         building = Path(tempfile.mkdtemp(prefix=f"{directory.name}.", suffix=".partial", dir=directory.parent))
         try:
-            yield building
+            write(building)
             building.rename(directory)
         finally:
             shutil.rmtree(building, ignore_errors=True)
+        try:
+            return open_entry(directory)
+        except _Damaged as error:  # just written: the disk or another process spoiled it
+            raise OSError(f"The {what} just prepared in {directory} cannot be read ({error}): delete it "
+                          f"(rm -r {directory}) and run the same command again.") from error  # fmt: skip
+    finally:
+        lock.release()
+
+
+def _write_manifest(directory: Path, contents: dict) -> None:
+    # Last into an entry, so that an entry with a manifest was written whole: what decided it, and its files' sizes.
+    files = {path.name: path.stat().st_size for path in sorted(directory.iterdir())}
+    (directory / "manifest.json").write_text(json.dumps({**contents, "files": files}, indent=2) + "\n")
+
+
+def _checked_manifest(directory: Path) -> dict:
+    # The entry's manifest, its files there in the sizes it lists; else _Damaged, saying what is wrong.
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise _Damaged("manifest.json is missing") from None
+    except ValueError as error:  # not whole JSON, or not UTF-8
+        raise _Damaged(f"manifest.json cannot be read: {error}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise _Damaged("manifest.json lists no files")
+    found = []
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            found.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            found.append(f"{name} holds {path.stat().st_size:,} bytes, not {size:,}")
+    if found:
+        raise _Damaged("; ".join(found))
+    return manifest
+
+
+def _opened(files: str, read: Callable[[str], _Opened], path: Path) -> _Opened:
+    # `read(path)`, of an entry's `files`; a reader's error (pyarrow's, json's, or tokenizers' plain Exception from
+    # Rust) is the entry's damage, named by its files.
+    try:
+        return read(str(path))
+    except PermissionError:  # the entry may be whole: it is this process that may not read it
+        raise
+    except Exception as error:
+        raise _Damaged(f"{files} cannot be read: {error}") from error
+
+
+def _open_splits(directory: Path) -> tuple[dict, dict[str, datasets.Dataset]]:
+    # A prepared corpus's counts (`_write_splits`) and its splits, memory-mapped.
+    manifest = _checked_manifest(directory)
+    splits = {
+        name: _opened(f"{name}.arrow", datasets.Dataset.from_file, directory / f"{name}.arrow")
+        for name in manifest["splits"]
+    }
+    return manifest["splits"], splits
 
 
 def _kept_tokenizer(
@@ -180,15 +278,24 @@ def _kept_tokenizer(
     # The BPE tokenizer of §5.1 trained on an even sample of the training pairs, or the one kept from a run before.
     settings = {"corpus": corpus, "vocab_size": config.vocab_size, "tokenizer_sample": config.tokenizer_sample}
     directory = root / "tokenizers" / _key(settings)
-    with _built_once(directory) as building:
-        if building is not None:
-            chosen = tokenizer_sample(_count_pairs(train), config.tokenizer_sample)
-            sentences = 2 * (int(chosen.sum()) if chosen is not None else _count_pairs(train))
-            with tqdm(total=sentences, desc="Training the tokenizer", unit="sentences", unit_scale=True) as bar:
-                batches = _counted(text_batches(train, [config.source_lang, config.target_lang], chosen), bar)
-                tokenizer = train_tokenizer(batches, vocab_size=config.vocab_size)
-            tokenizer.save_pretrained(building)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    def write(building: Path) -> None:
+        chosen = tokenizer_sample(_count_pairs(train), config.tokenizer_sample)
+        sentences = 2 * (int(chosen.sum()) if chosen is not None else _count_pairs(train))
+        with tqdm(total=sentences, desc="Training the tokenizer", unit="sentences", unit_scale=True) as bar:
+            batches = _counted(text_batches(train, [config.source_lang, config.target_lang], chosen), bar)
+            trained = train_tokenizer(batches, vocab_size=config.vocab_size)
+        # tokenizer.json is nearly all of it; tokenizers reports a full disk in a plain Exception of its own.
+        size = len(trained.backend_tokenizer.to_str(pretty=True).encode())
+        with room_for(directory.parent, size, "the trained tokenizer", _AGAIN):
+            trained.save_pretrained(building)
+            _write_manifest(building, settings)
+
+    def open_tokenizer(entry: Path) -> PreTrainedTokenizerBase:
+        _checked_manifest(entry)
+        return _opened("its tokenizer files", AutoTokenizer.from_pretrained, entry)
+
+    tokenizer = _kept_entry(directory, "trained tokenizer", write, open_tokenizer)
     tokenizer.model_max_length = config.max_length  # saved with the model: translation truncates to it
     return tokenizer
 
@@ -256,7 +363,7 @@ def _write_splits(
         name: _write_split(directory / f"{name}.arrow", name, split, encoder, config, ids)
         for name, split in splits.items()
     }
-    (directory / "manifest.json").write_text(json.dumps({**settings, "splits": counts}, indent=2) + "\n")
+    _write_manifest(directory, {**settings, "splits": counts})
 
 
 def _write_split(

@@ -30,6 +30,7 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
 from ..data.corpora import corpus_fingerprint
+from ..inference.config import torch_threads
 from ..inference.cpu_kernels import use_pinned_products
 from ..model.configuration_vaswani import VaswaniConfig
 from ..model.modeling_vaswani import VaswaniForConditionalGeneration
@@ -83,7 +84,8 @@ def train(config: TrainingConfig) -> Path:
     the last one (0 turns either clock off); with `resume`, a run continues from its newest checkpoint
     and ends with the parameters an uninterrupted run would have had (bitwise on CPU). The last
     `average_last` checkpoints are averaged into the model (§6.1). With `prepare_only`, the corpus and
-    tokenizer are prepared into the data cache (`corpus.prepare_corpus`) and nothing is trained.
+    tokenizer are prepared into the data cache (`corpus.prepare_corpus`) and nothing is trained. PyTorch computes
+    on `config.cpu_threads()` CPU threads while the run lasts (`--threads`), and on as many as before after it.
 
     Args:
         config: the run's settings.
@@ -107,16 +109,17 @@ def train(config: TrainingConfig) -> Path:
         NonFiniteLossError: the loss became NaN or infinite and `skip_nonfinite` is off.
         MemoryError: a device ran out of memory (the message names `--max-tokens`).
     """
-    if config.prepare_only:  # one machine prepares what others train on; no output directory is touched
-        files = corpus_fingerprint(config.data, config.source_lang, config.target_lang, config.files)
-        return prepare_corpus(config, run_tokenizer(config, resuming=False), files).directory
-    with build_run(config) as run:  # however the run ends, the output directory is let go
-        done = run.ended()
-        while not done:
-            step_loss = run.steps.optimizer_step()
-            if step_loss is not None:  # None: a non-finite loss, skipped
-                done = run.after_step(step_loss)
-        return run.finish()
+    with torch_threads(config.cpu_threads()):
+        if config.prepare_only:  # one machine prepares what others train on; no output directory is touched
+            files = corpus_fingerprint(config.data, config.source_lang, config.target_lang, config.files)
+            return prepare_corpus(config, run_tokenizer(config, resuming=False), files).directory
+        with build_run(config) as run:  # however the run ends, the output directory is let go
+            done = run.ended()
+            while not done:
+                step_loss = run.steps.optimizer_step()
+                if step_loss is not None:  # None: a non-finite loss, skipped
+                    done = run.after_step(step_loss)
+            return run.finish()
 
 
 @dataclass(eq=False)
@@ -373,6 +376,8 @@ def load_data_and_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.bos_token_id,
+        source_lang=config.source_lang,  # the pair the translation pipeline checks its src_lang and tgt_lang against
+        target_lang=config.target_lang,
         **config.model_overrides,
     )
     model = VaswaniForConditionalGeneration(model_config)

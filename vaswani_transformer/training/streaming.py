@@ -9,7 +9,7 @@ with an empty side or a side longer than `max_length` tokens left out, and cut i
 The trade-off: lengths are sorted within a buffer, not over the corpus, so batches pad a little more; an epoch ends
 where a process's shard ends, so processes may start their next epochs a few batches apart; and a resumed run reads
 its epoch's stream again up to the batch it stopped at, which takes longer the further in it was. The validation
-split and the tokenizer are prepared as usual (`corpus_preparation.prepare_corpus`).
+split and the tokenizer are prepared as usual (`training.corpus.prepare_corpus`).
 
 See docs/data.md, "Streaming".
 """
