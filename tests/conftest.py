@@ -271,7 +271,11 @@ needs_fork = pytest.mark.skipif(not can_fork_workers(), reason="worker processes
 def tag_with_process(monkeypatch) -> None:
     """Make every batch's translations say which process translated them ("PID|translation")."""
     translate = Engine.translate
-    monkeypatch.setattr(Engine, "translate", lambda self, texts: [f"{os.getpid()}|{t}" for t in translate(self, texts)])
+
+    def tagged(self, texts, glossary=None):
+        return [f"{os.getpid()}|{t}" for t in translate(self, texts, glossary)]
+
+    monkeypatch.setattr(Engine, "translate", tagged)
 
 
 def one_line_error(status: int, err: str, expected_status: int = 2) -> str:

@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -492,3 +493,27 @@ def test_translate_counts_sentences_translated_and_ends_its_bar_before_an_error(
     assert re.match(r"Translating: .* 4/6 ", lines[-3]) and lines[-2].startswith(
         "vaswani-transformer translate: error:"
     )
+
+
+def test_translate_applies_a_glossary_writes_scores_and_refuses_a_bad_glossary_line_in_one_line(
+    trained_model_dir, tmp_path, capsys
+):
+    source = tmp_path / "input.en"
+    source.write_text("A woman is riding a bicycle down the street.\n\nTwo dogs play in the snow.\n")
+    terms = tmp_path / "terms.tsv"
+    terms.write_text("woman\tDame\n")
+    options = ["--model", str(trained_model_dir), "--input", str(source)]
+    assert main(["translate", *options]) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert main(["translate", *options, "--glossary", str(terms), "--scores"]) == 0
+    lines = [line.rsplit(" ||| ", 1) for line in capsys.readouterr().out.splitlines()]
+    assert "Dame" in lines[0][0] and "Dame" not in plain[0]
+    assert [text for text, _ in lines[1:]] == plain[1:] and lines[1][1] == ""  # the blank line has no score
+    assert all(-math.inf < float(lines[i][1]) <= 0 for i in (0, 2))
+    terms.write_text("woman\tDame\nman\tHerr\tMann\n")
+    assert main(["translate", *options, "--glossary", str(terms)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"vaswani-transformer translate: error: {terms}:2: 3 fields; a glossary line is a source term, one tab, and "
+        "its target term."
+    ]

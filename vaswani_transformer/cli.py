@@ -1,4 +1,4 @@
-"""The `vaswani-transformer` command: train, evaluate, translate, serve, push, average, convert, export.
+"""The `vaswani-transformer` command: train, ablate, evaluate, translate, serve, push, average, convert, export.
 
 A thin layer over the library: each subcommand parses its options and calls one function.
 Expected failures (bad paths, bad values) print one line on stderr and exit with status 2.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, get_args, get_origin
 
 if TYPE_CHECKING:  # imported where a command runs: `--help` needs neither torch nor transformers
     from .inference.config import InferenceConfig
+    from .training.config import TrainingConfig
 
 
 def _model_option(text: str) -> tuple[str, object]:
@@ -96,7 +97,7 @@ def _add_config_options(
         group.add_argument(flag, dest=option.name, **settings)
 
 
-def _add_training_options(train: argparse.ArgumentParser) -> None:
+def _add_training_options(train: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
     from .training.config import TrainingConfig
 
     # The corpus options, which fill `TrainingConfig.data` and `files`, come first.
@@ -108,7 +109,20 @@ def _add_training_options(train: argparse.ArgumentParser) -> None:
     corpus.add_argument("--dataset", help="Hub dataset id read with datasets.load_dataset, e.g. wmt14")
     corpus.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="explicit training files")
     corpus.add_argument("--validation-files", nargs=2, metavar=("SRC", "TGT"), help="explicit validation files")
-    _add_config_options(train, TrainingConfig, {"corpus": corpus})
+    _add_config_options(train, TrainingConfig, {"corpus": corpus}, skip)
+
+
+# `train` options that `ablate` sets itself for every run (experiments.ablation.run_config).
+_ABLATION_SETS = (
+    "resume", "average_last", "keep_checkpoints", "choose_num_beams", "choose_length_penalty", "prepare_only",
+)  # fmt: skip
+
+
+def _add_ablation_options(ablate: argparse.ArgumentParser) -> None:
+    from .experiments.ablation import AblationConfig
+
+    _add_training_options(ablate, skip=_ABLATION_SETS)
+    _add_config_options(ablate, AblationConfig, {})
 
 
 def _add_evaluate_options(evaluate: argparse.ArgumentParser) -> None:
@@ -143,6 +157,26 @@ def _add_translate_options(translate: argparse.ArgumentParser) -> None:
         "--attention-dir",
         default=None,
         help="also draw each sentence's encoder-decoder attention (last layer, every head) as DIR/sentence-N.png",
+    )
+    translate.add_argument(
+        "--alignments",
+        action="store_true",
+        help="write each line's word alignment after its translation, as Marian does: TRANSLATION ||| 0-0 1-2 ... "
+        "(Pharaoh source-target word pairs, from the encoder-decoder attention); text input only",
+    )
+    translate.add_argument(
+        "--glossary",
+        default=None,
+        metavar="TSV",
+        help="terms to translate as given, one a line: source term TAB target term; a sentence holding a source "
+        "term (whole words, any case) gets its target term by constrained beam search, others translate as without",
+    )
+    translate.add_argument(
+        "--scores",
+        action="store_true",
+        help="write each line's confidence last, as Marian's n-best lists end with their score: TRANSLATION ||| "
+        "-0.2731 (after the alignment with --alignments): the mean log-probability of its tokens over its sentences, "
+        "in nats, 0 the most sure; empty for a blank line; text input only",
     )
     _add_num_workers(translate)
     _add_inference_options(translate)
@@ -210,7 +244,8 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--source-lang", default=None, help="the model's source language, where its files do not say it")
     serve.add_argument("--target-lang", default=None, help="the model's target language, where its files do not say it")
-    _add_inference_options(serve, skip={"input_format"})  # a file's format is its name's (POST /translate_file)
+    # A file's format is its name's (POST /translate_file); --threads is ServingConfig's, which defaults it alike.
+    _add_inference_options(serve, skip={"input_format", "threads"})
     _add_config_options(serve, ServingConfig, {})
 
 
@@ -238,11 +273,10 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return parser
 
 
-def _train(args: argparse.Namespace) -> None:
+def _training_config(args: argparse.Namespace) -> "TrainingConfig":
+    # The TrainingConfig of `train`'s options (those a command has: `ablate` sets some itself).
     from .data.corpora import corpus_location
     from .training.config import TrainingConfig
-    from .training.run import train
-    from .utils.files import ensure_writable
 
     files = {}
     if args.train_files:
@@ -251,13 +285,28 @@ def _train(args: argparse.Namespace) -> None:
         files["validation"] = tuple(args.validation_files)
     if not (args.data_dir or args.dataset or files):
         raise ValueError("Give the corpus with one of --data-dir, --dataset, or --train-files.")
-    options = {name: getattr(args, name) for name in _option_names(TrainingConfig)}
+    options = {name: getattr(args, name) for name in _option_names(TrainingConfig) if hasattr(args, name)}
     options["model_overrides"] = dict(options["model_overrides"])
     config = TrainingConfig(data="", files=files, **options)  # the options' checks first, before the corpus's
     config.data = corpus_location(args.data_dir, args.dataset)
+    return config
+
+
+def _train(args: argparse.Namespace) -> None:
+    from .training.run import train
+    from .utils.files import ensure_writable
+
+    config = _training_config(args)
     if not config.prepare_only:  # which writes nothing there
         ensure_writable(config.output_dir)  # before hours of training, not at the first checkpoint
     print(train(config))
+
+
+def _ablate(args: argparse.Namespace) -> None:
+    from .experiments.ablation import AblationConfig, run_ablation
+
+    options = {name: getattr(args, name) for name in _option_names(AblationConfig)}
+    print(run_ablation(AblationConfig(training=_training_config(args), **options)))
 
 
 def _train_interrupted(output_dir: str) -> str:
@@ -271,35 +320,44 @@ def _train_interrupted(output_dir: str) -> str:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
+    from .inference.config import torch_threads
     from .inference.evaluation import evaluate_test_set
 
-    evaluation = evaluate_test_set(
-        args.model,
-        args.source,
-        args.reference,
-        _inference_config(args),
-        output=args.output,
-        num_workers=args.num_workers,
-        model_card=not args.no_model_card,
-        dataset_name=args.dataset_name,
-        split=args.split,
-        on_report=lambda report: print(json.dumps(report)),
-    )
+    config = _inference_config(args)
+    with torch_threads(config.cpu_threads()):
+        evaluation = evaluate_test_set(
+            args.model,
+            args.source,
+            args.reference,
+            config,
+            output=args.output,
+            num_workers=args.num_workers,
+            model_card=not args.no_model_card,
+            dataset_name=args.dataset_name,
+            split=args.split,
+            on_report=lambda report: print(json.dumps(report)),
+        )
     if evaluation.card.note:
         print(evaluation.card.note, file=sys.stderr)
 
 
 def _translate(args: argparse.Namespace) -> None:
+    from .inference.config import torch_threads
     from .inference.input_translation import translate_input
 
-    translate_input(
-        args.model,
-        args.input,
-        _inference_config(args),
-        write=lambda translation: print(translation, flush=True),
-        num_workers=args.num_workers,
-        attention_dir=args.attention_dir,
-    )
+    config = _inference_config(args)
+    with torch_threads(config.cpu_threads()):
+        translate_input(
+            args.model,
+            args.input,
+            config,
+            write=lambda translation: print(translation, end="", flush=True),  # with its own line end
+            num_workers=args.num_workers,
+            attention_dir=args.attention_dir,
+            alignments=args.alignments,
+            glossary=args.glossary,
+            scores=args.scores,
+        )
 
 
 def _push(args: argparse.Namespace) -> None:
@@ -362,6 +420,11 @@ def _serve(args: argparse.Namespace) -> None:
 # Each command: its line in `--help`, the function that adds its options, and the one that runs it.
 COMMANDS = {
     "train": ("train a translator on a parallel corpus (§5)", _add_training_options, _train),
+    "ablate": (
+        "train and score the rows of Table 3 (§6.2) with one recipe, seeds side by side (docs/table3.md)",
+        _add_ablation_options,
+        _ablate,
+    ),
     "evaluate": ("translate a test set and report sacreBLEU", _add_evaluate_options, _evaluate),
     "translate": ("translate lines, or an HTML document, from a file or stdin", _add_translate_options, _translate),
     "push": ("upload a trained model directory to the Hugging Face Hub", _add_push_options, _push),
@@ -421,6 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vaswani-transformer {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if args.command == "ablate":
+            print("vaswani-transformer ablate: interrupted; run the same command again to go on (finished runs are "
+                  "skipped, a stopped one resumes from its last checkpoint).", file=sys.stderr)  # fmt: skip
+            return 130
         if args.command != "train":
             raise
         print(f"vaswani-transformer train: {_train_interrupted(args.output_dir)}", file=sys.stderr)

@@ -8,7 +8,8 @@ from vaswani_transformer.data.text_format import file_format, split_text
 @pytest.mark.parametrize(
     ("text", "sentences", "rebuilt"),
     [
-        ("A dog.\r\n\nA cat.", ["A dog.", "", "A cat."], "A DOG.\n\nA CAT."),
+        # Line ends as they came, CRLF or LF (issue 74, case 15: CRLF came back as LF).
+        ("A dog.\r\n\nA cat.\r\n", ["A dog.", "", "A cat.", ""], "A DOG.\r\n\nA CAT.\r\n"),
         ('<p class="x">A   dog\n runs.</p>', ["A dog runs."], '<p class="x">A DOG RUNS.</p>'),
         # A bare "<" is text: the sentence around it stays one sentence, escaped on the way back.
         (

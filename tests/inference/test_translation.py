@@ -3,8 +3,10 @@
 import html
 import importlib.util
 import logging
+import math
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -15,7 +17,9 @@ import torch
 from conftest import Exploit, needs_fork, tag_with_process
 
 from vaswani_transformer.cli import main
-from vaswani_transformer.inference.engines import load_translator
+from vaswani_transformer.data.segmentation import word_spans
+from vaswani_transformer.inference.engines import TorchEngine, load_translator
+from vaswani_transformer.inference.glossary import Glossary
 from vaswani_transformer.inference.translation import (
     choose_decoding,
     corpus_bleu,
@@ -276,3 +280,132 @@ def test_pytorch_weights_that_would_run_code_are_refused_in_one_line(trained_mod
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and "model.safetensors, from a source you trust" in err, err
     assert not marker.exists()
+
+
+def _block_texts(element) -> list[str]:
+    # The text of each block of an lxml tree, in order: what a reader sees sentence by sentence.
+    blocks = ("title", "h1", "p", "li", "td", "th", "div")
+    return [" ".join("".join(e.itertext()).split()) for e in element.iter() if e.tag in blocks]
+
+
+def test_a_page_with_nested_tags_links_lists_and_tables_comes_back_whole_and_valid(trained_model_dir, corpus):
+    from lxml import etree
+
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    s = corpus["test_2016_flickr"]["en"][:6]
+    w = s[2].split()
+    nested = f"{w[0]} <b>{w[1]} <i>{w[2]}</i> {' '.join(w[3:5])}</b> {' '.join(w[5:])}"
+    page = (
+        f"<html><head><title>{s[0]}</title></head><body>\n<h1>{s[1]}</h1>\n"
+        f'<p>{nested} <a href="/next?page=2&amp;q=x" title="Next &quot;page&quot;" class="nav">{s[3]}</a></p>\n'
+        f"<ul><li>{s[4]}</li><li><em>{s[5]}</em></li></ul>\n"
+        f"<table><tr><td>{s[0]}</td><th>{s[1]}</th></tr></table></body></html>\n"
+    )
+    source = etree.fromstring(page)
+    out = translate(model, tokenizer, [page], text_format="html")[0]
+    translated = etree.fromstring(out)  # lxml's XML parser: well formed, every tag closed in its place
+    # Every element as written, attributes and all, and no other; blocks where they were.
+    assert sorted(etree.tostring(e, with_tail=False).split(b">")[0] for e in source.iter()) == sorted(
+        etree.tostring(e, with_tail=False).split(b">")[0] for e in translated.iter()
+    )
+    assert [e.tag for e in translated.iter() if e.tag not in ("b", "i", "a", "em")] == [
+        e.tag for e in source.iter() if e.tag not in ("b", "i", "a", "em")
+    ]
+    assert 'href="/next?page=2&amp;q=x" title="Next &quot;page&quot;" class="nav"' in out
+    # Each block's text is its sentences' plain translations: the sentence across the tags, translated once.
+    plain = translate(model, tokenizer, [" ".join(t.split()) for t in _block_texts(source)])
+    assert _block_texts(translated) == [" ".join(t.split()) for t in plain]
+
+
+def test_pre_code_translate_no_and_references_come_back_as_written(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    first, second = corpus["test_2016_flickr"]["en"][:2]
+    page = (
+        f"<pre>\n  {first}\n      {second}\n</pre>\n"
+        "<p>Use <code>pip install torch</code> to install it.</p>\n"
+        f'<p translate="no">{first}</p><div class="box notranslate"><p>{second}</p></div>\n'
+        f"<p>{first.replace(' ', '&nbsp;', 1)}</p><table><tr><td>&nbsp;</td></tr></table>\n"
+    )
+    out = translate(model, tokenizer, [page], text_format="html")[0]
+    t_first, t_second = (html.escape(t, quote=False) for t in translate(model, tokenizer, [first, second]))
+    assert out.startswith(f"<pre>\n  {t_first}\n      {t_second}\n</pre>\n")  # lines and indentation kept
+    assert out.count("<code>pip install torch</code>") == 1
+    assert f'<p translate="no">{first}</p><div class="box notranslate"><p>{second}</p></div>' in out
+    assert out.count("&nbsp;") == 2 and out.endswith("<table><tr><td>&nbsp;</td></tr></table>\n")
+
+
+def test_a_run_on_sentence_over_the_limit_is_translated_clause_by_clause(trained_model_dir, corpus, monkeypatch):
+    # Issue 74, case 14: `--long-inputs split` cut 32 clauses (1,467 characters) once, in the middle, into 2 pieces
+    # of ~160 tokens that the model, which learnt sentences, translated as 2 short sentences.
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    plain = [s.rstrip(" .") for s in corpus["test_2016_flickr"]["en"] if not set(s) & set(",;:()[]\u2013\u2014")]
+    clauses = [clause + "," for clause in plain[:31]] + [plain[31][0].lower() + plain[31][1:] + "."]
+    sentence = " ".join(clauses)
+    assert len(sentence) > 1400 and len(tokenizer(sentence)["input_ids"]) > tokenizer.model_max_length
+    alone = translate(model, tokenizer, clauses, split_sentences=False)
+    translated = []
+    engine_translate = TorchEngine.translate
+
+    def recorded(self, batch):
+        translated.extend(batch)
+        return engine_translate(self, batch)
+
+    monkeypatch.setattr(TorchEngine, "translate", recorded)
+    assert translate(model, tokenizer, [sentence], long_inputs="split") == [" ".join(t for t in alone if t)]
+    assert sorted(translated) == sorted(clauses)  # 32 clauses in, each translated: 32 out
+
+
+def test_alignments_of_a_text_are_its_sentences_laid_end_to_end(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    first, second = corpus["test_2016_flickr"]["en"][:2]
+    (text,) = translate(model, tokenizer, [f"{first}  {second}"], alignments=True)
+    alone = translate(model, tokenizer, [first, second], alignments=True)
+    assert text.text == f"{alone[0].text}  {alone[1].text}"
+    shift = (len(word_spans(first)), len(word_spans(alone[0].text)))
+    assert text.alignment == alone[0].alignment + [(i + shift[0], j + shift[1]) for i, j in alone[1].alignment]
+    with pytest.raises(ValueError, match="alignments count the words of text"):
+        translate(model, tokenizer, ["<p>A dog.</p>"], text_format="html", alignments=True)
+
+
+def test_a_glossary_puts_its_target_term_into_the_sentences_that_hold_its_source_term_and_no_other_changes(
+    trained_model_dir, corpus
+):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sources = corpus["test_2016_flickr"]["en"][:60]
+    glossary = Glossary([("woman", "Dame")])  # the model says "Frau": the term must come from the glossary
+    holding = {i for i, source in enumerate(sources) if glossary.matches(source)}
+    plain = translate(model, tokenizer, sources)
+    with_terms = translate(model, tokenizer, sources, glossary=glossary)
+    assert len(holding) >= 5 and not any(re.search(r"\bDame\b", plain[i]) for i in holding)
+    assert all(re.search(r"\bDame\b", with_terms[i]) for i in holding)
+    assert [t for i, t in enumerate(with_terms) if i not in holding] == [
+        t for i, t in enumerate(plain) if i not in holding
+    ]
+
+
+def test_scores_give_each_text_the_mean_log_probability_of_its_tokens_over_its_sentences(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sentences = corpus["test_2016_flickr"]["en"][:40]
+    short, long = min(sentences, key=len), max(sentences, key=len)
+    texts = [short, "", f"{short} {long}"]
+    scored = translate(model, tokenizer, texts, scores=True)
+    assert [each.text for each in scored] == translate(model, tokenizer, texts)
+    best = [found[0] for found in TorchEngine(model, tokenizer).scored_hypotheses([short, long])]
+    tokens = [len(ids) for ids in tokenizer([h.text for h in best])["input_ids"]]  # </s> included, as scored
+    assert tokens[0] != tokens[1] and best[0].confidence != best[1].confidence  # token-weighted differs from a mean
+    assert scored[0].confidence == pytest.approx(best[0].confidence, rel=1e-4)
+    assert scored[1].confidence is None  # a blank text: nothing was translated
+    weighted = sum(h.confidence * n for h, n in zip(best, tokens, strict=True)) / sum(tokens)
+    assert scored[2].confidence == pytest.approx(weighted, rel=1e-4)
+    assert all(math.isfinite(each.confidence) and each.confidence <= 0 for each in (scored[0], scored[2]))
+
+
+@needs_fork
+def test_glossary_and_scores_come_back_the_same_from_worker_processes(trained_model_dir, corpus):
+    model, tokenizer = load_translator(str(trained_model_dir), "cpu")
+    sources = corpus["test_2016_flickr"]["en"][:24]
+    options = {"glossary": Glossary([("woman", "Dame")]), "scores": True, "batch_size": 8}
+    here = translate(model, tokenizer, sources, **options)
+    there = translate(model, tokenizer, sources, num_workers=2, **options)
+    assert [t.text for t in there] == [t.text for t in here]
+    assert [t.confidence for t in there] == pytest.approx([t.confidence for t in here], rel=1e-4)

@@ -37,8 +37,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_beam_search_returns_what_transformers_beam_search_returns(
     trained_model_dir, test_sentences, monkeypatch, options, device
 ):
-    # generate() runs our beam search, which drops finished sentences from the batch; asking for a
-    # dict of outputs runs transformers' own loop instead. Both must give the same hypotheses, on a GPU
+    # generate() runs our beam search, which drops finished sentences from the batch; asking for
+    # per-step scores runs transformers' own loop instead. Both must give the same hypotheses, on a GPU
     # too, where the beam-search cache runs its CUDA path (in float32, so that both see the same scores).
     model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
@@ -58,7 +58,7 @@ def test_beam_search_returns_what_transformers_beam_search_returns(
     monkeypatch.setattr(generation_vaswani.SourceLengthLimit, "select", counted_select)
     with torch.no_grad():
         ours = model.generate(**inputs, **options)
-        reference = model.generate(**inputs, **options, return_dict_in_generate=True).sequences
+        reference = model.generate(**inputs, **options, return_dict_in_generate=True, output_scores=True).sequences
     assert calls["search"] == 1
     assert (calls["batch_narrowed"] > 0) == ("encoder_no_repeat_ngram_size" not in options)
     assert torch.equal(ours, reference)
@@ -139,3 +139,37 @@ def test_beam_search_returns_an_ordinary_tensor_outside_inference_mode(tokenizer
     with torch.inference_mode():
         again = model.generate(**inputs, num_beams=4, max_new_tokens=8)
     assert torch.equal(again[:, 1:], output[:, 1:])
+
+
+def test_every_sequence_s_confidence_is_its_mean_token_log_probability_as_a_forward_pass_gives_it(
+    trained_model_dir, corpus
+):
+    # generate(..., return_dict_in_generate=True) from our beam search: sequences_scores as transformers' loop gives
+    # them, and log P(Y|X) / |Y| (tokens with </s>, no length penalty), constrained or not.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    sentences = corpus["test_2016_flickr"]["en"][48:72]
+    inputs = tokenizer(sentences, padding=True, return_tensors="pt")
+    dame = tokenizer(" Dame", add_special_tokens=False)["input_ids"]
+    terms = [[dame] if i % 3 == 0 else [] for i in range(len(sentences))]
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        reference = model.generate(**inputs, num_return_sequences=4, return_dict_in_generate=True, output_scores=True)
+        for glossary_ids in (None, terms):
+            output = model.generate(
+                **inputs, num_return_sequences=4, return_dict_in_generate=True, glossary_ids=glossary_ids
+            )
+            assert isinstance(output, beam_search_vaswani.BeamSearchOutput)
+            if glossary_ids is None:
+                assert torch.equal(output.sequences, reference.sequences)
+                assert torch.allclose(output.sequences_scores, reference.sequences_scores, atol=1e-4)
+            for row, sequence in enumerate(output.sequences):
+                generated = sequence[1:].tolist()
+                length = generated.index(eos) + 1 if eos in generated else len(generated)
+                logits = model(
+                    input_ids=inputs["input_ids"][row // 4 : row // 4 + 1],
+                    attention_mask=inputs["attention_mask"][row // 4 : row // 4 + 1],
+                    decoder_input_ids=sequence[None, :length],
+                ).logits
+                log_probs = logits[0].log_softmax(-1).gather(-1, sequence[1 : length + 1, None])
+                assert output.sequences_confidence[row].item() == pytest.approx(log_probs.mean().item(), abs=1e-4)

@@ -237,9 +237,9 @@ def test_stopping_criteria_and_special_tokens_of_the_call_are_honoured_as_in_tra
     model = random_model(tokenizer, seed=11)
     inputs = tokenizer(test_sentences[0][:4], padding=True, return_tensors="pt")
 
-    def both(**options):  # our generate(), and transformers' loop (asked for a dict of outputs)
+    def both(**options):  # our generate(), and transformers' loop (asked for per-step scores)
         ours = model.generate(**inputs, **options)
-        return ours, model.generate(**inputs, **options, return_dict_in_generate=True).sequences
+        return ours, model.generate(**inputs, **options, return_dict_in_generate=True, output_scores=True).sequences
 
     for criterion in (MaxLengthCriteria(max_length=4), EosTokenCriteria(eos_token_id=5)):
         ours, reference = both(stopping_criteria=StoppingCriteriaList([criterion]))
@@ -325,3 +325,52 @@ def test_generate_refuses_an_empty_batch_or_source_saying_which(shape, what):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=num_beams)
         with pytest.raises(ValueError, match=f"generate\\(\\) got {what}"):
             model.generate(ids, num_beams=num_beams)
+
+
+@pytest.mark.parametrize(
+    ("glossary_ids", "options", "message"),
+    [
+        (
+            [[[5]]],
+            {},
+            r"one list of terms per sentence of the batch of 2 \(input_ids\), \[\] for a sentence without; "
+            "got 1 lists",
+        ),
+        ([[[5]], None], {}, r"glossary_ids\[1\] = None: give a list of terms"),
+        ([[[5], []], []], {}, r"glossary_ids\[0\]\[1\] = \[\]: a term is a non-empty list of token ids"),
+        ([[[5, 2]], []], {}, r"glossary_ids\[0\]\[0\] = \[5, 2\]: .* without </s> \(\[2\]\)"),
+        ([[[5, 10**6]], []], {}, r"below the vocabulary size"),
+        (
+            [[[5]], []],
+            {"num_beams": 1},
+            r"need beam search, with num_beams of at least 2 and no sampling; got num_beams=1",
+        ),
+        ([[[5]], []], {"do_sample": True}, r"and do_sample=True"),
+        ([[[5]], []], {"glossary_suffix_ids": [5, -1]}, r"glossary_suffix_ids must be a list of token ids below"),
+        # What only transformers' loop gives (every step's scores) cannot come with constraints.
+        ([[[5]], []], {"return_dict_in_generate": True, "output_scores": True}, r"need this model's own beam search"),
+    ],
+)
+def test_glossary_ids_that_cannot_be_decoded_are_refused_saying_why(
+    tokenizer, test_sentences, glossary_ids, options, message
+):
+    model = random_model(tokenizer)
+    inputs = tokenizer(test_sentences[0][:2], padding=True, return_tensors="pt")
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, glossary_ids=glossary_ids, max_new_tokens=4, **options)
+
+
+def test_glossary_ids_travel_with_their_call_among_threads(trained_model_dir, test_sentences):
+    # One model serves many threads: the terms of one call never reach another's sentences.
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    inputs = tokenizer(list(test_sentences[0]), padding=True, return_tensors="pt")
+    words = [" Dame", " Hut", " roter Hut", None]
+    calls = [[[tokenizer(w, add_special_tokens=False)["input_ids"]]] * 8 if w else None for w in words]
+    alone = [model.generate(**inputs, glossary_ids=ids) for ids in calls]
+    assert len({tuple(output.flatten().tolist()) for output in alone}) == 4
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(2):
+            futures = [pool.submit(model.generate, **inputs, glossary_ids=ids) for ids in calls]
+            for future, expected in zip(futures, alone, strict=True):
+                assert torch.equal(future.result(), expected)

@@ -74,6 +74,21 @@ def test_explicit_head_sizes_shape_the_projections():
     assert model(input_ids=ids, decoder_input_ids=ids).logits.shape == (1, 4, 100)
 
 
+def test_attention_without_the_scale_is_eq_1_with_queries_sqrt_d_k_times_larger():
+    # scale_attention=False (docs/table3.md, rows U) drops Eq. 1's 1/sqrt(d_k) and nothing else.
+    unscaled = random_model(scale_attention=False, d_k=16)
+    scaled = random_model(d_k=16)
+    scaled.load_state_dict(unscaled.state_dict())
+    with torch.no_grad():
+        for name, module in scaled.named_modules():
+            if name.endswith("q_proj"):
+                module.weight.mul_(math.sqrt(16))
+    ids = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 2, 0]])
+    inputs = dict(input_ids=ids, attention_mask=(ids != 0).long(), decoder_input_ids=ids)
+    torch.testing.assert_close(unscaled(**inputs).logits, scaled(**inputs).logits, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(unscaled(**inputs).logits, random_model(d_k=16)(**inputs).logits, atol=1e-3)
+
+
 def test_learned_positional_embeddings_are_trained_vectors_with_a_clear_length_limit():
     model = random_model(position_embedding_type="learned", max_position_embeddings=16)
     positions = model.model.encoder.embeddings.positional_encoding

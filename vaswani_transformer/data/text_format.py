@@ -1,16 +1,17 @@
 """LibreTranslate's two text formats (`format` "text" and "html"): the sentences of a text, and its translation rebuilt.
 
 The model translates sentences, one at a time, as it was trained; `serving.py` and `translation.py` call
-`split_text` for every text and `rebuild` with the translations. A file's format is its suffix's (`file_format`).
+`split_text` for every text and `rebuild` with the translations (and, for HTML, their word alignments, which carry
+its inline markup: `markup.py`). A file's format is its suffix's (`file_format`).
 """
 
-import html
 import re
 from collections.abc import Callable
-from html.parser import HTMLParser
+from dataclasses import dataclass
 from pathlib import PurePath
 
-from .segmentation import split_sentences
+from .markup import split_html
+from .segmentation import Alignment, Pieces, split_sentences, text_alignment
 
 # LibreTranslate's `format`s: plain text, and HTML whose text nodes are translated.
 TEXT_FORMATS = ("text", "html")
@@ -28,58 +29,6 @@ def file_format(name: str) -> str | None:
     return FILE_FORMATS.get(PurePath(name).suffix.lower())
 
 
-class _HTMLText(HTMLParser):
-    """Splits HTML into markup, kept as written, and text nodes, to be translated (LibreTranslate's format="html")."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str | int] = []  # markup, or the index of a text node
-        self.texts: list[str] = []
-        self.in_code = False
-
-    def handle_starttag(self, tag, attrs):
-        self.parts.append(self.get_starttag_text())
-        self.in_code = tag in self.CDATA_CONTENT_ELEMENTS
-
-    def handle_startendtag(self, tag, attrs):
-        self.parts.append(self.get_starttag_text())
-
-    def parse_endtag(self, i):
-        # `handle_endtag` is given the name lowercased, without what followed it: keep the markup as written.
-        before = len(self.parts)
-        end = super().parse_endtag(i)
-        if end > i and len(self.parts) == before + 1 and isinstance(self.parts[-1], str):
-            self.parts[-1] = self.rawdata[i:end]
-        return end
-
-    def handle_endtag(self, tag):
-        self.parts.append(f"</{tag}>")
-        self.in_code = False
-
-    def handle_data(self, data):
-        if self.in_code:  # script and style are code, kept as written (the parser did not unescape them)
-            self.parts.append(data)
-        elif self.parts and isinstance(self.parts[-1], int):  # the parser splits text at a bare "<": one node
-            self.texts[-1] += data
-        elif not data.strip():  # whitespace between tags is layout
-            self.parts.append(data)
-        else:
-            self.parts.append(len(self.texts))
-            self.texts.append(data)
-
-    def handle_comment(self, data):
-        self.parts.append(f"<!--{data}-->")
-
-    def handle_decl(self, decl):
-        self.parts.append(f"<!{decl}>")
-
-    def handle_pi(self, data):
-        self.parts.append(f"<?{data}>")
-
-    def unknown_decl(self, data):  # a marked section: <![CDATA[...]]>, or e.g. <![if IE]>
-        self.parts.append(f"<![{data}]]>" if data.startswith("CDATA[") else f"<![{data}]>")
-
-
 def _line_sentences(line: str, language: str | None, split: bool) -> tuple[list[str], list[tuple[str, str]]]:
     # The sentences of a line (stripped) and the whitespace around each, which the rebuilt line keeps.
     pieces = split_sentences(line, language) if split else [line]
@@ -91,75 +40,97 @@ def _line_sentences(line: str, language: str | None, split: bool) -> tuple[list[
     return sentences, spaces
 
 
-def _glue(spaces: list[tuple[str, str]], translations: list[str], escape: Callable[[str], str]) -> str:
+def _glue(spaces: list[tuple[str, str]], translations: list[str]) -> str:
     pairs = zip(spaces, translations, strict=True)
-    return "".join(lead + escape(translation) + trail for (lead, trail), translation in pairs)
+    return "".join(lead + translation + trail for (lead, trail), translation in pairs)
+
+
+# rebuild(translations, alignments=None): the translated text (`split_text`).
+Rebuild = Callable[..., str]
 
 
 def split_text(
     text: str, text_format: str, language: str | None = None, sentences: bool = True
-) -> tuple[list[str], Callable[[list[str]], str]]:
+) -> tuple[list[str], Rebuild]:
     """The sentences to translate in one text, and the function that puts their translations back.
 
-    Text: each line split into sentences (`segmentation.split_sentences`); line breaks and the spaces between
-    sentences are kept, a blank line stays blank. HTML: each text node, its whitespace collapsed, split into
-    sentences; tags, attributes, comments, scripts and styles are kept as written, and the translations are
-    escaped (a translation never becomes markup).
+    Text: each line split into sentences (`segmentation.split_sentences`); line breaks as they came (LF or CRLF),
+    the spaces between sentences kept, a blank line stays blank. HTML: each block's text, across its inline tags,
+    split into sentences, and the markup carried over to the translations by their word alignments
+    (`markup.split_html`); tags, attributes, comments, scripts and styles are kept as written, and the translations
+    are escaped (a translation never becomes markup).
 
-    See docs/serving.md, "Sentences and paragraphs".
+    See docs/serving.md, "Sentences and paragraphs", and docs/translating-documents.md.
 
     Args:
         text: one text of `q`, or a file's.
         text_format: "text" or "html".
         language: ISO 639-1 code of the text, for the segmenter's rules; None for English's.
-        sentences: False translates each line (or text node) whole, for one sentence per line.
+        sentences: False translates each line (or block of HTML) whole, for one sentence per line.
 
     Returns:
-        (sentences, rebuild), where `rebuild(translations)` gives the translated text; a blank sentence (whitespace
-        of the layout) is "" and needs no translation.
+        (sentences, rebuild), where `rebuild(translations, alignments=None)` gives the translated text, from one
+        translation per sentence and (for HTML, where they place the inline markup) one word alignment per sentence
+        or None; a blank sentence (whitespace of the layout) is "" and needs no translation.
 
     Raises:
         ValueError: HTML that Python's parser cannot read (some `<![` sections).
     """
-    if text_format == "text":
-        lines = [_line_sentences(line, language, sentences) for line in re.split(r"\r?\n", text)]
-        found = [sentence for line_sentences, _ in lines for sentence in line_sentences]
+    if text_format == "html":
+        return split_html(text, language, sentences)
+    # Line ends kept: the pieces at odd indices are the line breaks, as written.
+    pieces = re.split(r"(\r?\n)", text)
+    lines = [_line_sentences(line, language, sentences) for line in pieces[::2]]
+    found = [sentence for line_sentences, _ in lines for sentence in line_sentences]
 
-        def rebuild_text(translations: list[str]) -> str:
-            out, start = [], 0
-            for line_sentences, spaces in lines:
-                out.append(_glue(spaces, translations[start : start + len(line_sentences)], str))
-                start += len(line_sentences)
-            return "\n".join(out)
-
-        return found, rebuild_text
-    parser = _HTMLText()
-    try:
-        parser.feed(text)
-        parser.close()
-    except AssertionError as error:  # Python's parser asserts on some marked sections, e.g. "<![ x"
-        raise ValueError(f"the HTML cannot be parsed ({error or 'an unreadable <![ section'})") from error
-    if parser.rawdata:  # an unclosed script or style, which the parser holds back: code, kept as written
-        parser.parts.append(parser.rawdata)
-    nodes = [_line_sentences(" ".join(node.split()), language, sentences) for node in parser.texts]
-    found = [sentence for node_sentences, _ in nodes for sentence in node_sentences]
-    starts = [0]
-    for node_sentences, _ in nodes:
-        starts.append(starts[-1] + len(node_sentences))
-
-    def escape(translation: str) -> str:
-        return html.escape(translation, quote=False)
-
-    def rebuild(translations: list[str]) -> str:
-        out = []
-        for part in parser.parts:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            node = parser.texts[part]
-            leading, trailing = node[: len(node) - len(node.lstrip())], node[len(node.rstrip()) :]
-            glued = _glue(nodes[part][1], translations[starts[part] : starts[part + 1]], escape)
-            out.append(leading + glued.strip() + trailing)
+    def rebuild_text(translations: list[str], alignments: list[Alignment | None] | None = None) -> str:
+        out, start = [], 0
+        for k, (line_sentences, spaces) in enumerate(lines):
+            out.append(_glue(spaces, translations[start : start + len(line_sentences)]))
+            out.append(pieces[2 * k + 1] if 2 * k + 1 < len(pieces) else "")
+            start += len(line_sentences)
         return "".join(out)
 
-    return found, rebuild
+    return found, rebuild_text
+
+
+@dataclass(frozen=True)
+class TranslatedText:
+    """One text's translation, `text`, and what was asked for beside it (`translation.translate(..., alignments=True)`):
+    its `alignment` to the source, (source word, target word) pairs over the whole text's `segmentation.word_spans`."""
+
+    text: str
+    alignment: Alignment | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Texts ready to translate: their sentences (`split_text`) cut to the model's limit (`pieces`), and how the
+    pieces' translations become the texts' (`finish`).
+
+    Attributes:
+        pieces: what the engine translates (`segmentation.fit_to_limit`).
+        sentences: how many sentences each text holds.
+        rebuilds: each text's `rebuild`.
+        found: the sentences, in order.
+    """
+
+    pieces: Pieces
+    sentences: list[int]
+    rebuilds: list[Rebuild]
+    found: list[str]
+
+    def finish(self, translations: list[str], alignments: list[Alignment] | None = None) -> list[TranslatedText]:
+        """One translated text per text, from one translation per piece and, where given, one word alignment per
+        piece (HTML's markup takes its sentences'; a text's is theirs laid end to end: `text_alignment`)."""
+        total = sum(self.sentences)
+        per_sentence = self.pieces.join(translations, total)
+        aligned = self.pieces.join_alignments(alignments, translations, total) if alignments is not None else None
+        texts, start = [], 0
+        for count, rebuild in zip(self.sentences, self.rebuilds, strict=True):
+            done = per_sentence[start : start + count]
+            pairs = aligned[start : start + count] if aligned is not None else None
+            whole = None if pairs is None else text_alignment(self.found[start : start + count], done, pairs)
+            texts.append(TranslatedText(rebuild(done, pairs), whole))
+            start += count
+        return texts

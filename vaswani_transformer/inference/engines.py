@@ -1,13 +1,18 @@
 """Engines: what turns a batch of sentences into their translations, the model's `generate()` or its CTranslate2 export.
 
 `translate`, `evaluate` and `serve` load one with `load_engine` from an `InferenceConfig`, and drive it through
-`Engine.translate` alone: which engine runs is decided here, once, never in the code that batches and reports.
-Both decode as the paper does (§6.1): beam 4, GNMT length penalty 0.6, output at most input length + 50.
+`Engine.translate`, `Engine.hypotheses` and `Engine.scored_hypotheses` alone: which engine runs is decided here,
+once, never in the code that batches and reports. Both decode as the paper does (§6.1): beam 4, GNMT length penalty
+0.6, output at most input length + 50; both take a glossary (`glossary.Glossary`, constrained beam search) and give
+each translation a confidence (`Hypothesis`).
 """
 
 import json
 import logging
 import pickle
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,9 +29,16 @@ from ..data.tokenizer import check_tokenizer_matches, tokenizer_lock
 from ..exchange.ctranslate2 import ensure_ctranslate2_export, export_settings, import_ctranslate2, pickled_code_refused
 from ..exchange.hub import check_model_exists
 from ..model.compat_vaswani import VERY_LARGE_INTEGER
-from ..model.generation_vaswani import PAPER_MAX_LENGTH_B, check_length_penalty, check_num_beams, gnmt_length_penalty
+from ..model.generation_vaswani import (
+    PAPER_MAX_LENGTH_B,
+    VaswaniGenerationMixin,
+    check_length_penalty,
+    check_num_beams,
+    gnmt_length_penalty,
+)
 from .config import InferenceConfig
 from .cpu_kernels import use_pinned_products
+from .glossary import Glossary, suffix_ids
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +106,27 @@ def source_length_limit(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     return min(limits, default=None)
 
 
+@dataclass(frozen=True)
+class Hypothesis:
+    """A translation and its confidence: the mean log-probability of its tokens.
+
+    `confidence` is log P(Y|X) / |Y|, in nats: the model's log-probability of the translation's tokens (`</s>`
+    included, with the decoder start as context), divided by their number, |Y|, without the length penalty that ranked
+    it; 0 is certainty, and lower is less sure. It is None for a blank source, which no model translates.
+
+    Attributes:
+        text: the translation, detokenized.
+        confidence: log P(Y|X) / |Y|, or None.
+    """
+
+    text: str
+    confidence: float | None
+
+
+# A glossary for every sentence of a call, or one for each (None for a sentence without).
+Glossaries = Glossary | Sequence[Glossary | None] | None
+
+
 class Engine:
     """A translator of batches: the interface both engines share.
 
@@ -115,37 +148,84 @@ class Engine:
     runs_in_cpu_workers: bool = False
     beam_size: int | None = None
 
-    def translate(self, sentences: list[str]) -> list[str]:
+    def translate(self, sentences: list[str], glossary: Glossaries = None) -> list[str]:
         """One translation per sentence, in order, from one batch; blank sentences give "" without the model.
 
-        Sources over `source_limit` are truncated to it: callers refuse them first where they must.
+        Sources over `source_limit` are truncated to it: callers refuse them first where they must. With a
+        `glossary`, see `scored_hypotheses`.
 
         See docs/serving.md, "Engines".
         """
-        return [found[0] for found in self.hypotheses(sentences, 1)]
+        return [found[0] for found in self.hypotheses(sentences, 1, glossary)]
 
-    def hypotheses(self, sentences: list[str], count: int) -> list[list[str]]:
+    def hypotheses(self, sentences: list[str], count: int, glossary: Glossaries = None) -> list[list[str]]:
         """The `count` best translations of each sentence (n-best of the beam search), best first, from one batch.
 
         The best is `translate`'s: the beam search is the same, only more of its finished hypotheses are kept.
-        A blank sentence gives `[""]` without the model.
+        A blank sentence gives `[""]` without the model. With a `glossary`, see `scored_hypotheses`.
 
         See docs/serving.md, "Alternatives".
 
         Raises:
             ValueError: `count` below 1 or above the beam size (the search finds no more).
         """
+        return [[h.text for h in found] for found in self._search(sentences, count, glossary, scores=False)]
+
+    def scored_hypotheses(
+        self, sentences: list[str], count: int = 1, glossary: Glossaries = None
+    ) -> list[list[Hypothesis]]:
+        """`hypotheses`, each with its confidence (`Hypothesis`): the first of each is `translate`'s translation.
+
+        With a `glossary` (one for all sentences, or one per sentence, None for none), a sentence that holds a
+        source term (`Glossary.matches`) is translated by constrained beam search, which puts the target terms into
+        every hypothesis, each as a whole word (`glossary.suffix_ids`), unless the length limit ends it first
+        (`model.constraints_vaswani.ConstrainedBeamSearch`); a sentence that holds none is translated exactly as
+        without a glossary.
+
+        Raises:
+            ValueError: `count` below 1 or above the beam size (the search finds no more); `glossary` a list of
+                another length than `sentences`; a target term with a special token (`Glossary.target_ids`); a
+                sentence with a term and a beam size of 1 (greedy search).
+        """
+        return self._search(sentences, count, glossary, scores=True)
+
+    def _search(self, sentences: list[str], count: int, glossary: Glossaries, scores: bool) -> list[list[Hypothesis]]:
         beams = self.generation_config.num_beams if self.beam_size is None else self.beam_size
         if not 1 <= count <= max(beams or 1, 1):
             raise ValueError(f"{count} hypotheses asked for: the beam search of {beams} beams gives 1 to {beams}.")
         kept = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        found: list[list[str]] = [[""] for _ in sentences]
+        terms = self._glossary_ids(sentences, glossary, kept)
+        if terms is not None and (beams or 1) < 2:
+            raise ValueError(f"A glossary needs beam search of at least 2 beams (num_beams, --num-beams); got {beams}.")
+        found: list[list[Hypothesis]] = [[Hypothesis("", None)] for _ in sentences]
         if kept:
-            for i, each in zip(kept, self._translate_batch([sentences[i] for i in kept], count), strict=True):
+            batch = self._translate_batch([sentences[i] for i in kept], count, terms, scores)
+            for i, each in zip(kept, batch, strict=True):
                 found[i] = each
         return found
 
-    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
+    def _glossary_ids(self, sentences: list[str], glossary: Glossaries, kept: list[int]) -> list | None:
+        # `generate`'s glossary_ids for the sentences `kept`, or None where none holds a term (the call without).
+        if glossary is None:
+            return None
+        per_sentence = [glossary] * len(sentences) if isinstance(glossary, Glossary) else list(glossary)
+        if len(per_sentence) != len(sentences):
+            raise ValueError(
+                f"{len(per_sentence)} glossaries for {len(sentences)} sentences: give one glossary, or one per "
+                "sentence (None for none)."
+            )
+        terms: list[list[list[int]]] = [[] for _ in kept]
+        for each in {id(g): g for g in per_sentence if g is not None}.values():
+            mine = [n for n, i in enumerate(kept) if per_sentence[i] is each]
+            for n, ids in zip(mine, each.target_ids([sentences[kept[n]] for n in mine], self.tokenizer), strict=True):
+                terms[n] = ids
+        return terms if any(terms) else None
+
+    def _translate_batch(
+        self, sentences: list[str], count: int, terms: list[list[list[int]]] | None, scores: bool
+    ) -> list[list[Hypothesis]]:
+        # The `count` best of each non-blank sentence; `terms` as `generate`'s glossary_ids, None for none; the
+        # confidences where `scores` (or where they come at no cost), else None.
         raise NotImplementedError
 
 
@@ -175,18 +255,65 @@ class TorchEngine(Engine):
         self.limit_name = "max_position_embeddings" if learned else "the tokenizer's model_max_length"
         self.runs_in_cpu_workers = model.device.type == "cpu"
         self.beam_size = self.generate_kwargs.get("num_beams")
+        self._suffix_ids: list[int] | None = None  # the tokenizer's word continuations, for glossaries
 
     @torch.inference_mode()
-    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
+    def _translate_batch(
+        self, sentences: list[str], count: int, terms: list[list[list[int]]] | None, scores: bool
+    ) -> list[list[Hypothesis]]:
+        # The model's beam search gives each sequence's confidence with it (`BeamSearchOutput`); transformers' loops
+        # (greedy search, sampling) do not, and a forward pass over their output gives it where it is asked for.
         limit = self.source_limit
         with tokenizer_lock(self.tokenizer):
             inputs = self.tokenizer(
                 sentences, return_tensors="pt", padding=True, truncation=limit is not None, max_length=limit
             ).to(self.model.device)
         more = {"num_return_sequences": count} if count > 1 else {}
-        output_ids = self.model.generate(**inputs, **self.generate_kwargs, **more)
-        texts = [text.strip() for text in self.tokenizer.batch_decode(output_ids, skip_special_tokens=True)]
-        return [texts[start : start + count] for start in range(0, len(texts), count)]
+        if terms is not None:
+            if not isinstance(self.model, VaswaniGenerationMixin):
+                raise ValueError(
+                    f"A glossary needs this package's constrained beam search, which {type(self.model).__name__} "
+                    "lacks: translate with a model of this package."
+                )
+            if self._suffix_ids is None:  # the same for every call: made once
+                self._suffix_ids = suffix_ids(self.tokenizer)
+            more |= {"glossary_ids": terms, "glossary_suffix_ids": self._suffix_ids}
+        output = self.model.generate(**inputs, **self.generate_kwargs, **more, return_dict_in_generate=True)
+        confidence = getattr(output, "sequences_confidence", None)
+        if confidence is None and scores:
+            confidence = teacher_forced_confidence(self.model, inputs, output.sequences, self.generation_config)
+        values = [None] * len(output.sequences) if confidence is None else confidence.tolist()
+        texts = [text.strip() for text in self.tokenizer.batch_decode(output.sequences, skip_special_tokens=True)]
+        found = [Hypothesis(text, value) for text, value in zip(texts, values, strict=True)]
+        return [found[start : start + count] for start in range(0, len(found), count)]
+
+
+def teacher_forced_confidence(
+    model: PreTrainedModel, inputs: dict, sequences: torch.LongTensor, generation_config: GenerationConfig
+) -> torch.Tensor:
+    """log P(Y|X) / |Y| of each output sequence, from one forward pass of the model over it (teacher forcing).
+
+    What `Hypothesis.confidence` is, for outputs whose search did not keep it (greedy search, sampling): the mean
+    of the model's log-probabilities of each sequence's tokens after the decoder start, up to and including its first
+    `</s>` (all of them for a sequence the length limit cut).
+
+    Args:
+        model: the model that generated `sequences`.
+        inputs: its `input_ids` and `attention_mask`, `(batch, source_len)`.
+        sequences: `(batch * count, output_len)` `generate()`'s output, the decoder start first, `count` a sentence.
+        generation_config: gives the `</s>` id(s).
+
+    Returns:
+        `(batch * count,)` float32 confidences.
+    """
+    count = sequences.shape[0] // inputs["input_ids"].shape[0]
+    source = {name: inputs[name].repeat_interleave(count, dim=0) for name in ("input_ids", "attention_mask")}
+    logits = model(**source, decoder_input_ids=sequences[:, :-1]).logits
+    targets = sequences[:, 1:]
+    log_probs = logits.float().log_softmax(dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    ends = torch.isin(targets, torch.as_tensor(generation_config.eos_token_id, device=targets.device))
+    counted = (ends.cumsum(dim=1) - ends.long()) == 0  # up to the first </s>, which is counted
+    return (log_probs * counted).sum(dim=1) / counted.sum(dim=1).clamp(min=1)
 
 
 class CTranslate2Engine(Engine):
@@ -206,6 +333,17 @@ class CTranslate2Engine(Engine):
     `max_new_tokens`, as with `generate()`; sources and outputs at most the export's
     `max_positions` (recorded beside it; 1,024 for exports that predate the record).
 
+    Confidence (`Hypothesis`) comes from CTranslate2's `return_scores`: its score is log P(Y|X) / |Y| ** p, p
+    the `length_penalty` it searched with (0 for "gnmt", alpha for "hf") and |Y| its hypothesis' tokens with `</s>`
+    (which it leaves out of the hypothesis: one more than they have, or as many for a hypothesis that
+    `max_decoding_length` cut), so that the confidence is that score * |Y| ** p / |Y|.
+
+    Glossaries: CTranslate2 has no lexical constraints (its `target_prefix` forces only the start of a translation,
+    issue OpenNMT/CTranslate2#739 asks for constrained beam search), so a sentence that holds a glossary term is
+    translated by the model itself, with `TorchEngine`'s constrained beam search at this engine's beam size and
+    length penalty (the model is loaded from `model` when the first such sentence comes). The batch is translated
+    by CTranslate2 as without a glossary, so that every other sentence gets exactly the same translation.
+
     Args:
         ct2_dir: a directory written by `write_ctranslate2_export`.
         tokenizer: the model's tokenizer (CTranslate2 reads and writes token strings).
@@ -213,6 +351,7 @@ class CTranslate2Engine(Engine):
         num_beams: overrides the generation config's beam size.
         device: "cpu" or "cuda".
         length_penalty: overrides the generation config's alpha (in its `length_penalty_type`).
+        model: the model directory or Hub id the export was made from, for sentences with glossary terms.
 
     Raises:
         ImportError: ctranslate2 is not installed.
@@ -229,6 +368,7 @@ class CTranslate2Engine(Engine):
         num_beams: int | None = None,
         device: str = "cpu",
         length_penalty: float | None = None,
+        model: str | None = None,
     ) -> None:
         ctranslate2, _ = import_ctranslate2()
         self.tokenizer, self.generation_config = tokenizer, generation_config
@@ -245,33 +385,65 @@ class CTranslate2Engine(Engine):
         self.max_output = min(generation_config.max_new_tokens or self.max_positions, self.max_positions)
         self.source_limit = min(tokenizer.model_max_length, self.max_positions)
         self.limit_name = "the CTranslate2 export's limit"
+        self.model, self.device = model, device
+        self._constrained: TorchEngine | None = None  # loaded for the first sentence with glossary terms
+        self._loading = threading.Lock()
 
-    def _translate_batch(self, sentences: list[str], count: int) -> list[list[str]]:
+    def _translate_batch(
+        self, sentences: list[str], count: int, terms: list[list[list[int]]] | None, scores: bool
+    ) -> list[list[Hypothesis]]:
         with tokenizer_lock(self.tokenizer):
             ids = self.tokenizer(sentences, truncation=True, max_length=self.source_limit, verbose=False)["input_ids"]
         tokens = [self.tokenizer.convert_ids_to_tokens(row) for row in ids]
+        max_decoding_length = min(max(map(len, tokens)) + self.extra_length, self.max_output)
+        searched_penalty = 0.0 if self.gnmt else self.length_penalty
         results = self.translator.translate_batch(
             tokens,
             beam_size=self.beam_size,
-            length_penalty=0.0 if self.gnmt else self.length_penalty,
+            length_penalty=searched_penalty,
             num_hypotheses=self.beam_size if self.gnmt else count,
-            return_scores=self.gnmt,
-            max_decoding_length=min(max(map(len, tokens)) + self.extra_length, self.max_output),
+            return_scores=True,
+            max_decoding_length=max_decoding_length,
             max_input_length=self.source_limit,  # CTranslate2 would otherwise cut sources at 1,024 tokens
             max_batch_size=len(tokens),
         )
         translations = []
         for result in results:
-            ranked = result.hypotheses
-            if self.gnmt:  # + 1: CTranslate2 leaves </s> out of its hypotheses
-                scored = zip(result.hypotheses, result.scores, strict=True)
+            # |Y|: CTranslate2 leaves </s> out of its hypotheses, and counts it in its score's length.
+            lengths = [len(h) + (len(h) < max_decoding_length) for h in result.hypotheses]
+            scored = list(zip(result.hypotheses, result.scores, lengths, strict=True))
+            if self.gnmt:  # ranked with </s> counted, as our beam search ranks the hypotheses that end with it
                 penalty = self.length_penalty
-                ranked = [
-                    h for h, _ in sorted(scored, key=lambda h: -h[1] / gnmt_length_penalty(len(h[0]) + 1, penalty))
-                ]
-            decoded = [self.tokenizer.convert_tokens_to_ids(tokens) for tokens in ranked[:count]]
-            translations.append([self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in decoded])
+                scored.sort(key=lambda h: -h[1] / gnmt_length_penalty(len(h[0]) + 1, penalty))
+            best = scored[:count]
+            texts = [
+                self.tokenizer.decode(self.tokenizer.convert_tokens_to_ids(h), skip_special_tokens=True)
+                for h, *_ in best
+            ]
+            confidences = [score * length**searched_penalty / length for _, score, length in best]
+            translations.append([Hypothesis(t.strip(), c) for t, c in zip(texts, confidences, strict=True)])
+        if terms is not None:
+            constrained = [i for i, each in enumerate(terms) if each]
+            redone = self._constrained_engine()._translate_batch(
+                [sentences[i] for i in constrained], count, [terms[i] for i in constrained], scores
+            )
+            for i, each in zip(constrained, redone, strict=True):
+                translations[i] = each
         return translations
+
+    def _constrained_engine(self) -> TorchEngine:
+        # The model itself, at this engine's beam size and length penalty, for sentences with glossary terms.
+        with self._loading:
+            if self._constrained is None:
+                if self.model is None:
+                    raise ValueError(
+                        "A glossary needs the model itself beside its CTranslate2 export (CTranslate2 has no "
+                        "constrained decoding): make the engine with load_ctranslate2_engine, or give model=."
+                    )
+                translator, _ = load_translator(self.model, self.device)
+                decoding = {"num_beams": self.beam_size, "length_penalty": self.length_penalty}
+                self._constrained = TorchEngine(translator, self.tokenizer, decoding)
+            return self._constrained
 
 
 def load_ctranslate2_engine(
@@ -309,7 +481,7 @@ def load_ctranslate2_engine(
     exported = ensure_ctranslate2_export(model, ct2_dir)
     tokenizer = AutoTokenizer.from_pretrained(model)
     generation_config = GenerationConfig.from_pretrained(model)
-    return CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device, length_penalty)
+    return CTranslate2Engine(exported, tokenizer, generation_config, num_beams, device, length_penalty, model)
 
 
 def load_engine(model: str, config: InferenceConfig | None = None) -> Engine:
@@ -352,10 +524,10 @@ def _model_file(model: str, filename: str) -> Path | None:
 def model_languages(model: str, source_lang: str | None = None, target_lang: str | None = None) -> tuple[str, str]:
     """The language pair a model translates: (source, target), ISO 639-1 codes such as ("en", "de").
 
-    Read from `training_config.json` (`source_lang`, `target_lang`, written by `train`), else from
-    the model card's `language: [source, target]` (`model_card.write_model_card`); `source_lang` and
-    `target_lang`, when given, override what the files say (e.g. for a converted Marian model,
-    which has neither file).
+    Read from `config.json` (`VaswaniConfig.source_lang`, `target_lang`), else from `training_config.json`
+    (`source_lang`, `target_lang`, written by `train`), else from the model card's `language: [source, target]`
+    (`model_card.write_model_card`); `source_lang` and `target_lang`, when given, override what the files say (e.g.
+    for a converted Marian model, which has none of them).
 
     See docs/serving.md, "Serving a translator over HTTP".
 
@@ -371,10 +543,10 @@ def model_languages(model: str, source_lang: str | None = None, target_lang: str
     if source_lang and target_lang:
         return source_lang, target_lang
     found: tuple[str | None, str | None] = (None, None)
-    config_file = _model_file(model, "training_config.json")
-    if config_file is not None:
-        training = json.loads(config_file.read_text(encoding="utf-8"))
-        found = (training.get("source_lang"), training.get("target_lang"))
+    for name in ("config.json", "training_config.json"):
+        if None in found and (config_file := _model_file(model, name)) is not None:
+            saved = json.loads(config_file.read_text(encoding="utf-8"))
+            found = (saved.get("source_lang"), saved.get("target_lang"))
     if None in found and (card_file := _model_file(model, "README.md")) is not None:
         from huggingface_hub import ModelCard
 

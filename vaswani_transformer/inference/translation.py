@@ -1,132 +1,37 @@
 """Translate with a trained model (beam search, §6.1) and score the translations with sacreBLEU through `evaluate`."""
 
+import collections
 import itertools
 import logging
-import multiprocessing
-import os
-import pickle
-import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import evaluate
-import torch
 from tqdm.auto import tqdm
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from ..data.segmentation import Pieces, fit_to_limit
-from ..data.text_format import TEXT_FORMATS, split_text
+from ..data.segmentation import Alignment, Pieces, fit_to_limit
+from ..data.text_format import TEXT_FORMATS, Prepared, TranslatedText, split_text
 from ..data.tokenizer import tokenizer_lock
 from ..model.generation_vaswani import check_num_beams
+from .alignment import Aligner, needed_aligner
+from .confidence import Score, piece_scores, scored_texts
 from .config import BATCH_SIZE, LONG_INPUTS, SPLIT_SENTENCES
 from .engines import Engine, TorchEngine
+from .glossary import Glossary
+
+# Re-exported: callers (tests/conftest.py) import it from here, where it lived.
+from .workers import can_fork_workers as can_fork_workers
+from .workers import map_in_workers
 
 SACREBLEU_SCRIPT = str(Path(__file__).parent / "metrics" / "sacrebleu.py")
 logger = logging.getLogger(__name__)
-
-
-# In a worker process of `map_in_workers`: the function it serves. The process belongs to one call, which set it.
-_worker_function: Callable | None = None
-
-
-def _start_worker(function: Callable) -> None:
-    # A forked process cannot start the OpenMP threads of its parent again (GNU OpenMP hangs), so each worker computes
-    # on one thread, and its tokenizer too (tokenizers would warn about its own threads).
-    global _worker_function
-    torch.set_num_threads(1)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_function = function
-
-
-def _run_in_worker(item):
-    try:
-        return _worker_function(item)
-    except Exception as error:
-        # An exception that does not survive pickling would reach the caller as BrokenProcessPool instead.
-        try:
-            pickle.loads(pickle.dumps(error))
-        except Exception:
-            raise RuntimeError(f"{type(error).__name__}: {error}") from None
-        raise
-
-
-def can_fork_workers() -> bool:
-    """Whether this platform runs `map_in_workers` with more than one worker: Linux and the other Unixes.
-
-    Windows cannot fork; macOS can, but its system libraries are not safe in a forked child (Python
-    starts processes there by spawning since 3.8).
-
-    See docs/performance.md, "Translating in worker processes".
-    """
-    return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
-
-
-def map_in_workers(function: Callable, items: Iterable, num_workers: int = 1) -> Iterator:
-    """`function(item)` for each item, in order, computed by `num_workers` processes of one thread each.
-
-    The model's decoding step is many small operators, and one Python thread issues them in turn:
-    on a CPU, worker processes that each translate whole batches on one thread keep every core busy
-    where one process with a thread per core waits on its interpreter (docs/performance.md,
-    "Translating in worker processes"). The workers are forked from this process when the first
-    item comes, so they share its model (copy-on-write) and may run a closure; they end with the
-    iteration. A fork copies only the calling thread: call it where no other thread of this process
-    is computing (a server's threads hold locks that would stay held in the workers). Items are read
-    as the results are taken, at most two per worker ahead, so a result waits for later items (or
-    the end of `items`): for files, not for lines typed one by one. An error from `items` comes
-    after the results of the items before it.
-
-    Args:
-        function: item -> result; run in the worker processes (in this process for `num_workers=1`).
-        items: its arguments, sent to the workers by pickling (a batch of sentences, say).
-        num_workers: processes, each with one intra-op thread; 1 computes here, with this process's threads.
-
-    Returns:
-        An iterator of `function(item)` for each item, in the order of `items`.
-
-    Raises:
-        ValueError (at the call): `num_workers` below 1, or above 1 where `can_fork_workers()` is False.
-        concurrent.futures.process.BrokenProcessPool: a worker died (killed for memory, say).
-        Whatever `function` raises in a worker (as RuntimeError with its type and message where the exception
-        cannot be pickled), and whatever `items` raises.
-    """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be at least 1 process, got {num_workers}.")
-    if num_workers == 1:
-        return map(function, items)
-    if not can_fork_workers():
-        raise ValueError(
-            f"num_workers above 1 forks worker processes, which {sys.platform} cannot do safely: use num_workers=1."
-        )
-    return _mapped_in_workers(function, iter(items), num_workers)
-
-
-def _mapped_in_workers(function: Callable, items: Iterator, num_workers: int) -> Iterator:
-    pending, error = deque(), None
-    pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("fork"), _start_worker, (function,))
-    try:
-        while True:
-            try:
-                item = next(items)
-            except StopIteration:
-                break
-            except Exception as exception:  # the items before it are still translated and yielded first
-                error = exception
-                break
-            pending.append(pool.submit(_run_in_worker, item))
-            if len(pending) == 2 * num_workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-        if error is not None:
-            raise error
-    finally:
-        pool.shutdown(cancel_futures=True)
 
 
 def as_engine(model: PreTrainedModel | Engine, tokenizer: PreTrainedTokenizerBase, generate_kwargs: dict) -> Engine:
@@ -153,26 +58,17 @@ def _check_num_workers(engine: Engine, num_workers: int) -> None:
         )
 
 
-def _blank(translations: list[str]) -> str:
+def _blank(translations: list[str], alignments: list[Alignment | None] | None = None) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """Texts ready to translate: the pieces the engine is given, and how their translations become the texts'."""
+class _Batch(NamedTuple):
+    """What the engine gave for a batch of pieces: a translation each and, with an aligner, a word alignment each;
+    with `scores`, each one's `confidence.Score` (None for a blank piece)."""
 
-    pieces: Pieces
-    sentences: list[int]  # how many sentences each text holds
-    rebuilds: list[Callable[[list[str]], str]]
-
-    def finish(self, translations: list[str]) -> list[str]:
-        """One translated text per text, from one translation per piece."""
-        per_sentence = self.pieces.join(translations, sum(self.sentences))
-        texts, start = [], 0
-        for count, rebuild in zip(self.sentences, self.rebuilds, strict=True):
-            texts.append(rebuild(per_sentence[start : start + count]))
-            start += count
-        return texts
+    translations: list[str]
+    alignments: list[Alignment] | None = None
+    scores: list[Score | None] | None = None
 
 
 class _Translator:
@@ -182,7 +78,9 @@ class _Translator:
     `split_sentences` is False. Sentences longer
     than the engine's `source_limit` raise, are split at a clause or word boundary (`segmentation.fit_to_limit`,
     one warning per batch), or are truncated to it with one warning per instance (one per `translate` call or
-    stream), as `long_inputs` says.
+    stream), as `long_inputs` says. With an `aligner`, each batch's translations are aligned to their sources in
+    the same process (`alignment.Aligner`): HTML's markup and `alignments=True` take them. A `glossary` goes to the
+    engine with every batch (`Engine.scored_hypotheses`); with `scores`, each piece's translation is scored.
     """
 
     def __init__(
@@ -193,6 +91,9 @@ class _Translator:
         split_sentences: bool = False,
         source_lang: str | None = None,
         text_format: str = "text",
+        aligner: Aligner | None = None,
+        glossary: Glossary | None = None,
+        scores: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 sentence, got {batch_size}.")
@@ -203,6 +104,7 @@ class _Translator:
         self.engine, self.batch_size, self.long_inputs = engine, batch_size, long_inputs
         self.text_format = text_format
         self.split_sentences, self.source_lang = split_sentences, source_lang
+        self.aligner, self.glossary, self.scores = aligner, glossary, scores
         self.warned = False
 
     def count_tokens(self, texts: list[str]) -> list[int]:
@@ -214,7 +116,7 @@ class _Translator:
         with tokenizer_lock(tokenizer):
             return [len(ids) for ids in tokenizer(texts, verbose=False)["input_ids"]]
 
-    def prepare(self, texts: list[str], first_number: int) -> _Prepared:
+    def prepare(self, texts: list[str], first_number: int) -> Prepared:
         """Split `texts` into sentences and check them against the limit; `first_number` is `texts[0]`'s (1-based).
 
         Raises:
@@ -230,7 +132,7 @@ class _Translator:
         too_long = next((i for i, length in enumerate(lengths) if length > limit), None) if limit else None
         if too_long is not None and self.long_inputs == "split":
             pieces = fit_to_limit(sentences, lengths, limit, lambda text: self.count_tokens([text])[0])
-            return _Prepared(pieces, counts, rebuilds)
+            return Prepared(pieces, counts, rebuilds, sentences)
         if too_long is not None and not self.warned:
             line = next(t for t in range(len(counts)) if sum(counts[: t + 1]) > too_long)
             where = f"Sentence {first_number + line}"
@@ -250,26 +152,54 @@ class _Translator:
                 "(warned once); pass long_inputs='error' (--long-inputs error) to fail instead."
             )
             self.warned = True
-        return _Prepared(Pieces(sentences, lengths, list(range(len(sentences))), []), counts, rebuilds)
+        pieces = Pieces(sentences, lengths, list(range(len(sentences))), [])
+        return Prepared(pieces, counts, rebuilds, sentences)
 
-    def translate(self, sentences: list[str], num_workers: int = 1, progress: tqdm | None = None) -> list[str]:
-        """Translate `sentences` (already checked) in batches of similar length; the output keeps their order.
+    def _translate_batch(self, sentences: list[str]) -> _Batch:
+        # One batch of the engine, its alignments and scores: in a worker process where there are workers.
+        scores = None
+        if self.scores:
+            best = [found[0] for found in self.engine.scored_hypotheses(sentences, 1, self.glossary)]
+            translations = [hypothesis.text for hypothesis in best]
+            scores = piece_scores(best, self.count_tokens(translations))
+        else:
+            translations = self.engine.translate(sentences, self.glossary)
+        alignments = self.aligner.align(sentences, translations) if self.aligner is not None else None
+        return _Batch(translations, alignments, scores)
 
-        `progress` (a bar counting sentences) is updated here, never in a worker: a bar takes tqdm's lock,
-        which a worker forked while tqdm's monitor thread held it would wait on forever.
+    def translate(self, pieces: Pieces, num_workers: int = 1, progress: tqdm | None = None) -> _Batch:
+        """Translate `pieces` (already checked) in batches of similar length; the output keeps their order.
+
+        `progress` (a bar counting sentences: a split one when its last piece is done) is updated here, never in a
+        worker: a bar takes tqdm's lock, which a worker forked while tqdm's monitor thread held it would wait on
+        forever.
         """
+        sentences = pieces.texts
         # Sorting by length keeps padding, and so wasted work, small.
         order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
         chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         batches = [[i for i in chunk if sentences[i].strip()] for chunk in chunks]  # blank lines stay blank
-        translated = map_in_workers(self.engine.translate, ([sentences[i] for i in b] for b in batches), num_workers)
+        translated = map_in_workers(self._translate_batch, ([sentences[i] for i in b] for b in batches), num_workers)
         translations = [""] * len(sentences)
-        for chunk, batch, texts in zip(chunks, batches, translated, strict=True):
-            for i, text in zip(batch, texts, strict=True):
-                translations[i] = text
+        alignments: list[Alignment] | None = [[] for _ in sentences] if self.aligner is not None else None
+        scores: list[Score | None] | None = [None] * len(sentences) if self.scores else None
+        left = collections.Counter(pieces.owners)  # pieces still to translate, by sentence
+        for chunk, batch, done in zip(chunks, batches, translated, strict=True):
+            for k, i in enumerate(batch):
+                translations[i] = done.translations[k]
+                if alignments is not None:
+                    alignments[i] = done.alignments[k]
+                if scores is not None:
+                    scores[i] = done.scores[k]
             if progress is not None:
-                progress.update(len(chunk))
-        return translations
+                left.subtract(pieces.owners[i] for i in chunk)
+                progress.update(len({pieces.owners[i] for i in chunk if not left[pieces.owners[i]]}))
+        return _Batch(translations, alignments, scores)
+
+    def finish(self, prepared: Prepared, translated: _Batch) -> list[TranslatedText]:
+        """The translated texts of `prepared` (`Prepared.finish`), each a `confidence.ScoredText` with `scores`."""
+        texts = prepared.finish(translated.translations, translated.alignments)
+        return scored_texts(prepared, texts, translated.scores) if self.scores else texts
 
 
 def _empty_translations(sentences: list[str], translations: list[str], first_number: int = 1) -> list[int]:
@@ -311,8 +241,12 @@ def translate(
     source_lang: str | None = None,
     text_format: str = "text",
     progress: bool = False,
+    aligner: Aligner | None = None,
+    alignments: bool = False,
+    glossary: Glossary | None = None,
+    scores: bool = False,
     **generate_kwargs,
-) -> list[str]:
+) -> list[str] | list[TranslatedText]:
     """Translate texts sentence by sentence, in batches of similar length, with `model.generate()`.
 
     Each text is split into sentences (`text_format.split_text`: a paragraph's sentences, its line breaks and spaces
@@ -337,33 +271,46 @@ def translate(
         split_sentences: split each text into sentences (the default, `InferenceConfig`'s); False translates each
             text whole, for one sentence per line (`evaluate`, validation BLEU).
         source_lang: ISO 639-1 code of the texts, for the segmenter's rules (`segmentation.split_sentences`).
-        text_format: "text" (the default), or "html": each text a document whose text nodes are translated and
-            whose markup is kept as written (`text_format.split_text`), LibreTranslate's `format`.
+        text_format: "text" (the default), or "html": each text a document whose sentences are translated across
+            its inline tags, the markup carried over by word alignment and kept as written
+            (`text_format.split_text`, `markup.py`), LibreTranslate's `format`.
         progress: show a progress bar (in sentences).
+        aligner: aligns the translations to their sources for HTML's markup and `alignments` (`alignment.Aligner`);
+            default: the torch engine's model; for CTranslate2's, `alignment.aligner_for(engine, model_dir)`.
+        alignments: give each text's word alignment too (`TranslatedText`), for text only.
+        glossary: terms whose target a sentence holding the source term must use (`glossary.Glossary`, constrained
+            beam search: `Engine.scored_hypotheses`); a sentence without terms translates as without it.
+        scores: give each text's confidence too (`confidence.ScoredText`): the mean log-probability of its
+            translation's tokens over all its sentences, in nats (`confidence`); None for a blank text.
         **generate_kwargs: e.g. `num_beams=1` for greedy decoding.
 
     Returns:
-        One translation per text, detokenized, in the input's order. Non-blank sentences that translate to an
-        empty string are counted in one warning (logged) per call.
+        One translation per text, detokenized, in the input's order (a `TranslatedText` each with `alignments`, a
+        `confidence.ScoredText` with `scores`).
+        Non-blank sentences that translate to an empty string are counted in one warning (logged) per call.
 
     Raises:
         TypeError: `sentences` is one string, not a list of them.
         ValueError: `batch_size` < 1, an unknown `long_inputs` or `text_format`, `generate_kwargs` with an engine,
             `num_workers` below 1 or above 1 for a model off the CPU or a CTranslate2 engine, HTML that Python's
-            parser cannot read, or (with "error") a source over the limit; the message names the sentence (1-based)
-            and its length.
+            parser cannot read, `alignments` for HTML or without an aligner, or (with "error") a source over the
+            limit; the message names the sentence (1-based) and its length; a sentence with a glossary term and
+            greedy search, or from `glossary.Glossary.target_ids`.
     """
     if isinstance(sentences, str):  # else each character would be translated as a sentence of its own
         raise TypeError("translate() takes a list of sentences: write translate(model, tokenizer, [sentence]).")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang, text_format)
+    aligner = needed_aligner(engine, aligner, text_format, alignments)
+    translator = _Translator(
+        engine, batch_size, long_inputs, split_sentences, source_lang, text_format, aligner, glossary, scores
+    )
     prepared = translator.prepare(sentences, first_number=1)
-    pieces = prepared.pieces.texts
-    with tqdm(total=len(pieces), unit="sent", desc="Translating", disable=not progress) as bar:
-        translations = prepared.finish(translator.translate(pieces, num_workers, bar))
-    warn_of_empty_translations(sentences, translations)
-    return translations
+    with tqdm(total=len(prepared.found), unit="sent", desc="Translating", disable=not progress) as bar:
+        translated = translator.finish(prepared, translator.translate(prepared.pieces, num_workers, bar))
+    texts = [each.text for each in translated]
+    warn_of_empty_translations(sentences, texts)
+    return translated if alignments or scores else texts
 
 
 def translate_stream(
@@ -377,8 +324,13 @@ def translate_stream(
     split_sentences: bool = SPLIT_SENTENCES,
     source_lang: str | None = None,
     text_format: str = "text",
+    progress_bar: tqdm | None = None,
+    aligner: Aligner | None = None,
+    alignments: bool = False,
+    glossary: Glossary | None = None,
+    scores: bool = False,
     **generate_kwargs,
-) -> Iterator[str]:
+) -> Iterator[str] | Iterator[TranslatedText]:
     """Translate lines as they arrive (e.g. from stdin), `batch_size` at a time, in order.
 
     A line is translated as soon as its batch is full or the input ends; pass `batch_size=1` to
@@ -391,7 +343,10 @@ def translate_stream(
     too-long line raises only when its batch is reached, and a line that is not UTF-8 when it is
     read, both after the lines before them were yielded. Non-blank lines that translate to an empty
     string are counted in one warning when the stream ends. With `text_format="html"`, each item is an HTML
-    document, translated whole (`translate`'s `text_format`).
+    document, translated whole (`translate`'s `text_format`). `progress_bar`, a tqdm bar, counts the sentences as
+    they are translated (batch by batch of the engine in one process; line batch by line batch with workers).
+    `aligner`, `alignments`, `glossary` and `scores` are `translate`'s: with `alignments` or `scores`, each item is a
+    `TranslatedText` (a `confidence.ScoredText` with `scores`).
 
     See docs/performance.md, "Translating in worker processes".
     """
@@ -399,26 +354,34 @@ def translate_stream(
         raise TypeError("translate_stream() takes lines of text (a file, a list of strings): write [text] for one.")
     engine = as_engine(model, tokenizer, generate_kwargs)
     _check_num_workers(engine, num_workers)
-    translator = _Translator(engine, batch_size, long_inputs, split_sentences, source_lang, text_format)
+    aligner = needed_aligner(engine, aligner, text_format, alignments)
+    translator = _Translator(
+        engine, batch_size, long_inputs, split_sentences, source_lang, text_format, aligner, glossary, scores
+    )
     # The batches given to the workers, whose translations come back in order.
-    handed_out: deque[tuple[list[str], _Prepared]] = deque()
+    handed_out: deque[tuple[list[str], Prepared]] = deque()
     batches = _checked_batches(translator, iter(lines), handed_out)
     empty, non_blank, first_number = [], 0, 1
+    # In one process the bar moves with every batch of the engine; a worker must not touch it (`_Translator`).
+    in_process = progress_bar if num_workers == 1 else None
     try:
-        for translated in map_in_workers(translator.translate, batches, num_workers):
+        for translated in map_in_workers(partial(translator.translate, progress=in_process), batches, num_workers):
             batch, prepared = handed_out.popleft()
-            translations = prepared.finish(translated)
-            empty += _empty_translations(batch, translations, first_number)
+            finished = translator.finish(prepared, translated)
+            texts = [each.text for each in finished]
+            if progress_bar is not None and in_process is None:
+                progress_bar.update(len(prepared.found))
+            empty += _empty_translations(batch, texts, first_number)
             non_blank += sum(bool(line.strip()) for line in batch)
             first_number += len(batch)
-            yield from translations
+            yield from finished if alignments or scores else texts
     finally:  # also when the stream stops at an error, or its reader stops
         _warn_of_empty_translations(empty, non_blank)
 
 
 def _checked_batches(
-    translator: _Translator, lines: Iterator[str], handed_out: deque[tuple[list[str], _Prepared]]
-) -> Iterator[list[str]]:
+    translator: _Translator, lines: Iterator[str], handed_out: deque[tuple[list[str], Prepared]]
+) -> Iterator[Pieces]:
     # The pieces of each batch of `translator.batch_size` lines, checked against the limit as the batch is reached;
     # each batch and its preparation join `handed_out`, for the translations that come back in order.
     first_number, unreadable = 1, None
@@ -433,7 +396,7 @@ def _checked_batches(
             break
         prepared = translator.prepare(batch, first_number)
         handed_out.append((batch, prepared))
-        yield prepared.pieces.texts
+        yield prepared.pieces
         first_number += len(batch)
     if unreadable is not None:
         raise unreadable

@@ -4,7 +4,12 @@
 (sequences only, from the decoder start); it gives transformers' hypotheses with less work per
 step: one decoder row per sentence at the first step, the cache of `cache_vaswani`, token masks
 applied once, and finished sentences leaving the batch. Everything else stays with transformers' loop.
+
+`constraints_vaswani.ConstrainedBeamSearch` is the same search with lexical constraints (terms every translation of a
+sentence must contain).
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -12,6 +17,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import (
     EosTokenCriteria,
+    GenerateBeamEncoderDecoderOutput,
     LogitsProcessorList,
     MaxLengthCriteria,
     StoppingCriteria,
@@ -22,6 +28,9 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from .cache_vaswani import BeamSearchCache
 from .compat_vaswani import cache_of
+
+# What transformers' loop alone returns: every step's scores, logits, attentions or hidden states.
+_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def _default_criterion(criterion: StoppingCriteria, config: GenerationConfig) -> bool:
@@ -45,7 +54,8 @@ def plain_beam_search(
     """Whether `beam_search` decodes this call exactly as transformers' beam search loop would (§6.1).
 
     True for deterministic search from the decoder start alone that stops a sentence as `early_stopping` says,
-    ends on `</s>` or the length limit, and returns only sequences; the arguments are those transformers gives
+    ends on `</s>` or the length limit, and returns sequences, alone or in a dict without per-step outputs (scores,
+    logits, attentions, hidden states: `BeamSearchOutput`); the arguments are those transformers gives
     `GenerationMixin._beam_search` (`input_ids` of shape `(batch * num_beams, prompt_len)`).
     """
     config, cache = generation_config, cache_of(model_kwargs)
@@ -54,7 +64,7 @@ def plain_beam_search(
         and not config.do_sample
         and not config.low_memory  # transformers' loop refuses it
         and config.early_stopping in (True, False, "never")
-        and not config.return_dict_in_generate
+        and not any(getattr(config, flag, False) for flag in _PER_STEP_OUTPUTS)
         and config._eos_token_tensor is not None
         and not synced_gpus
         and all(_default_criterion(c, config) for c in stopping_criteria)
@@ -156,6 +166,9 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 32) -> tuple[torch.Tensor, 
 class FinishedHypotheses:
     """The best num_beams finished hypotheses of every sentence of a batch, best first (§6.1).
 
+    Each keeps the score it is ranked by (penalised), its log-probability log P(Y|X) and its length |Y| (the
+    generated tokens, `</s>` included), which give its confidence.
+
     Args:
         batch: sentences.
         num_beams: hypotheses kept per sentence.
@@ -167,6 +180,7 @@ class FinishedHypotheses:
     def __init__(self, batch: int, num_beams: int, max_length: int, fill: int, device: torch.device) -> None:
         self.sequences = torch.full((batch, num_beams, max_length), fill, dtype=torch.long, device=device)
         self.scores = torch.full((batch, num_beams), -1.0e9, device=device)
+        self.log_probs = torch.zeros(batch, num_beams, device=device)
         self.lengths = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
         self.is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
 
@@ -179,6 +193,7 @@ class FinishedHypotheses:
         sentences: torch.Tensor,
         sequences: torch.Tensor,
         scores: torch.Tensor,
+        log_probs: torch.Tensor,
         generated: int,
         ended: torch.Tensor,
     ) -> None:
@@ -188,6 +203,7 @@ class FinishedHypotheses:
             sentences: `(n,)` the sentences' indices in the batch.
             sequences: `(n, num_beams, max_length)` candidate hypotheses.
             scores: `(n, num_beams)` their penalised scores.
+            log_probs: `(n, num_beams)` their log-probabilities log P(Y|X), not penalised.
             generated: tokens they generated, `</s>` included.
             ended: `(n, num_beams)` which of them ended (the others are left out).
         """
@@ -195,6 +211,7 @@ class FinishedHypotheses:
         scores = scores - 1.0e9 * ~ended
         merged_scores, best = torch.cat((self.scores[sentences], scores), dim=1).topk(scores.shape[1])
         self.sequences[sentences] = torch.cat((self.sequences[sentences], sequences), dim=1)[rows, best]
+        self.log_probs[sentences] = torch.cat((self.log_probs[sentences], log_probs), dim=1).gather(1, best)
         lengths = self.lengths.new_full(scores.shape, generated)
         self.lengths[sentences] = torch.cat((self.lengths[sentences], lengths), dim=1).gather(1, best)
         self.is_finished[sentences] = torch.cat((self.is_finished[sentences], ended), dim=1).gather(1, best)
@@ -204,6 +221,11 @@ class FinishedHypotheses:
         """The `count` best of each sentence, `(batch * count, output_len)`, padded to the longest of them (§6.1)."""
         output_length = prompt_len + int(self.lengths[:, :count].max())
         return self.sequences[:, :count, :output_length].reshape(-1, output_length)
+
+    def confidence(self, count: int) -> torch.Tensor:
+        """log P(Y|X) / |Y| of the `count` best of each sentence, `(batch * count,)`: the mean log-probability of
+        their tokens (natural log, `</s>` included), without the length penalty."""
+        return (self.log_probs[:, :count] / self.lengths[:, :count].clamp(min=1)).reshape(-1)
 
 
 class BeamSearch:
@@ -224,6 +246,11 @@ class BeamSearch:
     no more hypotheses. Sentences stay in the batch, and the first step runs every row, as in HF's loop, when a
     logits processor keeps state per sentence that this function cannot narrow.
 
+    Beside each beam's score (the sum of its tokens' processed log-probabilities, as HF's loop sums them) the search
+    keeps log P(Y|X), the sum of the model's own log-probabilities of its tokens before the logits processors (they
+    differ where a processor changed the score of a chosen token: the `</s>` that `SourceLengthLimit` forces scores
+    0); `FinishedHypotheses.confidence` divides it by |Y|.
+
     Args:
         model: gives the forward pass and the cache reordering.
         input_ids: `(batch * num_beams, prompt_len)` decoder prompt, the decoder start token in each row.
@@ -236,7 +263,7 @@ class BeamSearch:
             `EncoderDecoderCache` whose cross-attention cache is used, as `generate` prepares them.
 
     `run()` returns `(batch * num_return_sequences, output_len)` token ids, the best hypotheses first,
-    padded after `</s>` to the longest one returned.
+    padded after `</s>` to the longest one returned; `finished` then holds their scores.
     """
 
     def __init__(
@@ -272,6 +299,7 @@ class BeamSearch:
         rows_per_sentence = first_rows.shape[0] // batch
         self.scores = torch.zeros(batch, rows_per_sentence, device=device)
         self.scores[:, 1:] = -1.0e9
+        self.log_probs = torch.zeros(batch, rows_per_sentence, device=device)  # log P(Y|X) of each beam
         layers = model.config.decoder_layers
         self_attention = BeamSearchCache(layers, batch, self.num_beams, rows_per_sentence, device)
         self.cache = EncoderDecoderCache(self_attention, cache_of(model_kwargs).cross_attention_cache)
@@ -286,18 +314,19 @@ class BeamSearch:
     def run(self) -> torch.LongTensor:
         """Search until every sentence has num_beams finished hypotheses or the length limit is reached (§6.1)."""
         for length in range(self.prompt_len, self.max_length):
-            scores, rows, tokens = self._candidates(length)
+            scores, log_probs, rows, tokens = self._candidates(length)
             ends = torch.isin(tokens, self.eos) | (length + 1 >= self.max_length)
-            done = self._finish(length, scores, rows, tokens, ends)
+            done = self._finish(length, scores, log_probs, rows, tokens, ends)
             if bool(done.all()) or length + 1 >= self.max_length:
                 break
-            self._advance(length, done, scores, rows, tokens, ends)
+            self._advance(length, done, scores, log_probs, rows, tokens, ends)
         return self.finished.best(self.num_return_sequences, self.prompt_len)
 
-    def _log_probs(self, length: int) -> torch.Tensor:
-        # The next token's log-probabilities of every running beam, `(rows, vocab)`, processed. A sentence's beams
-        # are one decoder row: `beams` queries at one position, attending each to its own ancestors' keys and values
-        # (`BeamSearchCache.append_position`) and all to the sentence's one encoder output.
+    def _log_probs(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The next token's log-probabilities of every running beam, `(rows, vocab)`: processed, and the model's own
+        # (the same tensor where no processor changed them; token masks count as the model's, their tokens are never
+        # chosen). A sentence's beams are one decoder row: `beams` queries at one position, attending each to its own
+        # ancestors' keys and values (`BeamSearchCache.append_position`) and all to the sentence's one encoder output.
         sentences, beams = self.scores.shape
         attention_mask = self.attention_mask
         if attention_mask is not None and beams == self.num_beams:
@@ -319,21 +348,28 @@ class BeamSearch:
             # A handful of forbidden tokens: filling their columns spares a pass over all the scores.
             mask = self.token_masks(self.sequences[:1, :length], log_probs.new_zeros(1, log_probs.shape[-1]))[0]
             log_probs.index_fill_(1, (mask == float("-inf")).nonzero().squeeze(1), float("-inf"))
-        return self.logits_processor(self.sequences[:, :length], log_probs)
+        return self.logits_processor(self.sequences[:, :length], log_probs), log_probs
 
-    def _candidates(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # The best continuations of each sentence: scores, the running rows they extend and their tokens,
+    def _candidates(self, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # The best continuations of each sentence: scores, log P(Y|X), the running rows they extend and their tokens,
         # each `(sentences, num_candidates)`, best first.
-        log_probs = self._log_probs(length)
-        sentences, (beams, vocab_size) = len(self.active), (self.scores.shape[1], log_probs.shape[-1])
+        processed, model_log_probs = self._log_probs(length)
+        sentences, (beams, vocab_size) = len(self.active), (self.scores.shape[1], processed.shape[-1])
         # reshape: a processor may return a strided view, which `view` cannot regroup (RepetitionPenaltyLogitsProcessor)
-        candidates = log_probs.reshape(sentences, beams, vocab_size).add_(self.scores[..., None]).reshape(sentences, -1)
+        candidates = processed.reshape(sentences, beams, vocab_size).add_(self.scores[..., None]).reshape(sentences, -1)
         scores, ids = top_k(candidates, min(self.num_candidates, candidates.shape[1]))
         sentence_rows = torch.arange(sentences, device=ids.device)[:, None]
-        return scores, ids // vocab_size + sentence_rows * beams, ids % vocab_size
+        rows, tokens = ids // vocab_size + sentence_rows * beams, ids % vocab_size
+        if processed is model_log_probs:  # added to in place: the scores' own increments are the model's
+            log_probs = scores + (self.log_probs - self.scores).view(-1)[rows]
+        else:
+            log_probs = self.log_probs.view(-1)[rows] + model_log_probs[rows, tokens]
+        return scores, log_probs, rows, tokens
 
-    def _finish(self, length: int, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> Tensor:
-        # A candidate among the best num_beams that ends joins its sentence's finished hypotheses, of which
+    def _finish(
+        self, length: int, scores: Tensor, log_probs: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor
+    ) -> Tensor:
+        # A candidate among the first num_beams that ends joins its sentence's finished hypotheses, of which
         # the best num_beams are kept, until the sentence is done. Returns which are done.
         k, generated = self.num_beams, length + 1 - self.prompt_len
         just_finished = ends[:, :k] & ~self.done[self.active, None]
@@ -341,7 +377,7 @@ class BeamSearch:
             hypotheses = self.sequences[rows[:, :k]]
             hypotheses[..., length] = tokens[:, :k]
             penalised = scores[:, :k] / generated**self.length_penalty
-            self.finished.add(self.active, hypotheses, penalised, generated, just_finished)
+            self.finished.add(self.active, hypotheses, penalised, log_probs[:, :k], generated, just_finished)
         full = self.finished.done(self.active)
         if self.early_stopping is not True:  # HF's `_check_early_stop_heuristic`
             longest = self.early_stopping == "never" and self.length_penalty > 0.0
@@ -351,15 +387,23 @@ class BeamSearch:
         self.done[self.active] |= full
         return self.done[self.active]
 
-    def _advance(self, length: int, done: Tensor, scores: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor) -> None:
-        # The best num_beams candidates that go on become the beams of the next step; sentences that are
-        # done leave the batch where every processor allows it.
-        running = (scores - 1.0e9 * ends).topk(self.num_beams).indices
+    def _running(self, scores: Tensor, ends: Tensor) -> Tensor:
+        # Which candidates become the beams of the next step, `(sentences, num_beams)`: the best that go on.
+        return (scores - 1.0e9 * ends).topk(self.num_beams).indices
+
+    def _advance(
+        self, length: int, done: Tensor, scores: Tensor, log_probs: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor
+    ) -> None:
+        # The chosen candidates become the beams of the next step; sentences that are done leave the batch where
+        # every processor allows it.
+        running = self._running(scores, ends)
         self.scores = scores.gather(1, running) - 1.0e9 * ends.gather(1, running)
+        self.log_probs = log_probs.gather(1, running)
         rows, tokens = rows.gather(1, running), tokens.gather(1, running)
         if self.can_drop and bool(done.any()):
             kept = (~done).nonzero().squeeze(1)
             self.active, self.scores, rows, tokens = self.active[kept], self.scores[kept], rows[kept], tokens[kept]
+            self.log_probs = self.log_probs[kept]
             self.encoder_states = self.encoder_states[kept]
             self.attention_mask = self.attention_mask[kept] if self.attention_mask is not None else None
             self.encoder_mask = None
@@ -372,19 +416,49 @@ class BeamSearch:
         self.cache = self.model._reorder_cache(self.cache, rows.view(-1))
 
 
+@dataclass
+class BeamSearchOutput(GenerateBeamEncoderDecoderOutput):
+    """What `generate(..., return_dict_in_generate=True)` gets from `beam_search`: transformers' beam-search output
+    without the per-step fields, and each sequence's confidence.
+
+    Attributes:
+        sequences: `(batch * num_return_sequences, output_len)` token ids, best first.
+        sequences_scores: `(batch * num_return_sequences,)` the score each was ranked by, log P(Y|X) / lp(|Y|):
+            transformers' `sequences_scores`.
+        sequences_confidence: `(batch * num_return_sequences,)` log P(Y|X) / |Y|: the mean log-probability (natural
+            log) of its generated tokens, `</s>` included, without the length penalty, from the model's
+            log-probabilities before the logits processors (`BeamSearch`).
+    """
+
+    sequences_confidence: torch.Tensor | None = None
+
+
 def beam_search(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
     logits_processor: LogitsProcessorList,
     generation_config: GenerationConfig,
+    search: type[BeamSearch] = BeamSearch,
     **model_kwargs,
-) -> torch.LongTensor:
-    """`BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()` (§6.1), in
+) -> torch.LongTensor | BeamSearchOutput:
+    """`search(model, input_ids, logits_processor, generation_config, **model_kwargs).run()` (§6.1), in
     inference mode: no version counters or views kept for a step's hundreds of operators (docs/performance.md).
 
+    Args:
+        search: `BeamSearch`, or a subclass (`constraints_vaswani.ConstrainedBeamSearch`).
+
     Returns:
-        `(batch * num_return_sequences, output_len)` token ids, best first (inference tensors only in inference mode).
+        `(batch * num_return_sequences, output_len)` token ids, best first, or with `return_dict_in_generate` a
+        `BeamSearchOutput` of them (ordinary tensors outside inference mode, whose changes in place are allowed).
     """
     with torch.inference_mode():
-        sequences = BeamSearch(model, input_ids, logits_processor, generation_config, **model_kwargs).run()
-    return sequences.clone()
+        search = search(model, input_ids, logits_processor, generation_config, **model_kwargs)
+        sequences = search.run()
+        count = search.num_return_sequences
+        scores = search.finished.scores[:, :count].reshape(-1)
+        confidence = search.finished.confidence(count)
+    if not generation_config.return_dict_in_generate:
+        return sequences.clone()
+    return BeamSearchOutput(
+        sequences=sequences.clone(), sequences_scores=scores.clone(), sequences_confidence=confidence.clone()
+    )

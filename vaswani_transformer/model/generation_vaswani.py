@@ -5,8 +5,9 @@ We set the maximum output length during inference to input length + 50, but term
 possible." This module holds that decoding as `VaswaniGenerationMixin`, which the model class
 inherits (as transformers' Whisper inherits `WhisperGenerationMixin`): the paper's generation
 config, the GNMT length penalty, the per-sentence length limit, and a beam search that gives
-transformers' hypotheses with less work per step, with the key/value cache it needs. Everything
-else (greedy search, sampling, scores, streaming) is transformers' `GenerationMixin`.
+transformers' hypotheses with less work per step, with the key/value cache it needs, and, given terms that
+translations must contain (`glossary_ids`), constrained beam search. Everything else (greedy search, sampling,
+per-step scores, streaming) is transformers' `GenerationMixin`.
 
 The state of one `generate()` call lives in that call's generation config and arguments, never
 on the model: one model serves many threads at once.
@@ -26,9 +27,10 @@ from transformers.generation import (
 )
 from transformers.generation.utils import GenerateOutput
 
-from .beam_search_vaswani import beam_search, plain_beam_search
+from .beam_search_vaswani import BeamSearch, beam_search, plain_beam_search
 from .compat_vaswani import default_length_penalty, prepare_generation_config
 from .configuration_vaswani import VaswaniConfig
+from .constraints_vaswani import ConstrainedBeamSearch, LexicalConstraints
 
 # The paper's settings (§6.1) ----------------------------------------------------------------------
 
@@ -224,15 +226,26 @@ class VaswaniGenerationMixin(GenerationMixin):
             generation_config: replaces the model's generation config.
             logits_processor: extra logits processors.
             **kwargs: `attention_mask` and any generation parameter (`num_beams`, `max_new_tokens`,
-                `length_penalty_type`, `max_length_a`, ...).
+                `length_penalty_type`, `max_length_a`, ...), and `glossary_ids` (see below).
 
-        Beam search that returns only the sequences (what `translate`, the pipeline and `evaluate`
-        ask for), from the decoder start alone, with any `early_stopping` (the paper's True,
-        transformers' default False, or "never"), runs `beam_search`, which gives HF's hypotheses
-        faster; anything else (scores, sampling, constraints, a longer decoder prompt) runs HF's own
-        loop. As in transformers, a given `generation_config` takes what it leaves unset from the
-        model's, and an explicit `max_length` bounds the output even where the model's config sets
-        `max_new_tokens`.
+        Beam search that returns the sequences alone (what `translate`, the pipeline and `evaluate`
+        ask for), or in a dict without per-step outputs (`return_dict_in_generate=True` alone), from the
+        decoder start alone, with any `early_stopping` (the paper's True, transformers' default False, or
+        "never"), runs `beam_search`, which gives HF's hypotheses faster; its dict is a
+        `beam_search_vaswani.BeamSearchOutput`, with transformers' `sequences_scores` and each sequence's
+        `sequences_confidence` (its tokens' mean log-probability). Anything else (per-step scores, sampling,
+        a longer decoder prompt) runs HF's own loop. As in transformers, a given `generation_config` takes what it
+        leaves unset from the model's, and an explicit `max_length` bounds the output even where the model's config
+        sets `max_new_tokens`.
+
+        `glossary_ids` (terminology), one list per sentence of the batch, holds the terms that sentence's
+        translation must contain, each a list of target token ids (`[]` for a sentence without): beam search then
+        runs as `constraints_vaswani.ConstrainedBeamSearch` (Post & Vilar 2018's dynamic beam allocation), and a
+        hypothesis ends only once it holds all its sentence's terms, or at the length limit. A sentence without
+        terms is decoded as without `glossary_ids`; a call whose sentences have none is that call. transformers 5
+        moved its own `constraints` and `force_words_ids` to a Hub repository; this argument is per sentence.
+        `glossary_suffix_ids`, the ids of the tokens that continue a word (subword pieces that no word boundary
+        precedes), may not follow a term: it then stands as a whole word.
 
         Returns:
             What `GenerationMixin.generate` returns: `(batch * num_return_sequences, output_len)` ids,
@@ -240,14 +253,23 @@ class VaswaniGenerationMixin(GenerationMixin):
 
         Raises:
             ValueError: the source is an empty batch or of length 0, `length_penalty_type` is neither "gnmt" nor
-                "hf", `num_beams` is below 1, or `length_penalty` is not a finite number.
+                "hf", `num_beams` is below 1, `length_penalty` is not a finite number, or `glossary_ids` is not one
+                list of terms per sentence, holds a term that is empty or not of the vocabulary's ids, or comes
+                with greedy search, sampling or an option that only transformers' loop serves.
         """
         source = inputs if inputs is not None else kwargs.get("input_ids")
         _refuse_an_empty_source(source)
+        glossary_ids, suffix_ids = kwargs.pop("glossary_ids", None), kwargs.pop("glossary_suffix_ids", None)
         # What transformers will decode with: the given config, its unset fields and custom entries from the model's.
         config = prepare_generation_config(self, generation_config)
         passed = set(kwargs)
         num_beams = check_num_beams(kwargs.get("num_beams", config.num_beams))
+        if glossary_ids is not None and (
+            constraints := _lexical_constraints(
+                glossary_ids, suffix_ids, source, config, kwargs, self.config.vocab_size
+            )
+        ):
+            logits_processor = LogitsProcessorList([*(logits_processor or []), constraints])
         given = generation_config or GenerationConfig()
         prompt_len = 1 if kwargs.get("decoder_input_ids") is None else kwargs["decoder_input_ids"].shape[1]
         max_length = kwargs.pop("max_length", None) or given.max_length
@@ -312,8 +334,16 @@ class VaswaniGenerationMixin(GenerationMixin):
         # By now `generate` has merged the generation config, encoded the source once, copied it to
         # every beam and built the logits processors; only the search loop is replaced, and only for
         # the plain beam search of §6.1. Scores, attentions, sampling and the like stay with HF's loop.
+        constrained = any(isinstance(p, LexicalConstraints) for p in logits_processor)
         if plain_beam_search(input_ids, generation_config, stopping_criteria, synced_gpus, model_kwargs):
-            return beam_search(self, input_ids, logits_processor, generation_config, **model_kwargs)
+            search = ConstrainedBeamSearch if constrained else BeamSearch
+            return beam_search(self, input_ids, logits_processor, generation_config, search, **model_kwargs)
+        if constrained:
+            raise ValueError(
+                "glossary_ids need this model's own beam search, which returns sequences (alone, or in a dict "
+                "without per-step scores, logits, attentions or hidden states), from the decoder start, with the "
+                "default cache and stopping criteria: leave out the option that asks for more."
+            )
         return super()._beam_search(
             input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
         )
@@ -325,6 +355,57 @@ class VaswaniGenerationMixin(GenerationMixin):
         # sentence attends to the same encoder output: the cross-attention keys and values stay in order.
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
+
+
+def _lexical_constraints(
+    glossary_ids: object,
+    suffix_ids: object,
+    source: torch.Tensor | None,
+    config: GenerationConfig,
+    kwargs: dict,
+    vocab_size: int,
+) -> LexicalConstraints | None:
+    # `generate`'s glossary_ids, checked, as the processor that carries them to `_beam_search`; None where no
+    # sentence has a term (the call is then the call without them).
+    batch = None if source is None else source.shape[0]
+    if not isinstance(glossary_ids, (list, tuple)) or len(glossary_ids) != batch:
+        got = f"{len(glossary_ids)} lists" if isinstance(glossary_ids, (list, tuple)) else repr(glossary_ids)
+        raise ValueError(
+            f"glossary_ids must hold one list of terms per sentence of the batch of {batch} (input_ids), [] for "
+            f"a sentence without; got {got}."
+        )
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    for sentence, terms in enumerate(glossary_ids):
+        if not isinstance(terms, (list, tuple)):
+            raise ValueError(f"glossary_ids[{sentence}] = {terms!r}: give a list of terms ([] for none).")
+        for number, term in enumerate(terms):
+            if not (isinstance(term, (list, tuple)) and term) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size and t not in eos for t in term
+            ):
+                raise ValueError(
+                    f"glossary_ids[{sentence}][{number}] = {term!r}: a term is a non-empty list of token ids "
+                    f"below the vocabulary size {vocab_size}, without </s> ({eos})."
+                )
+    if not any(glossary_ids):
+        return None
+    if suffix_ids is not None and not (
+        isinstance(suffix_ids, (list, tuple))
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in suffix_ids)
+    ):
+        raise ValueError(
+            f"glossary_suffix_ids must be a list of token ids below the vocabulary size {vocab_size}; got "
+            f"{suffix_ids!r:.80}."
+        )
+    num_beams, sampling = kwargs.get("num_beams", config.num_beams) or 1, kwargs.get("do_sample", config.do_sample)
+    if num_beams < 2 or sampling:
+        raise ValueError(
+            "glossary_ids need beam search, with num_beams of at least 2 and no sampling; got "
+            f"num_beams={num_beams} and do_sample={sampling}."
+        )
+    return LexicalConstraints.from_ids(
+        [[list(term) for term in terms] for terms in glossary_ids], torch.tensor(eos), source.device, suffix_ids
+    )
 
 
 def _refuse_an_empty_source(source: torch.Tensor | None) -> None:
