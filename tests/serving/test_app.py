@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +30,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from vaswani_transformer.cli import main  # noqa: E402
+from vaswani_transformer.inference.engines import Hypothesis  # noqa: E402
+from vaswani_transformer.inference.translation import translate  # noqa: E402
 from vaswani_transformer.serving.app import model_languages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +83,12 @@ def call(url: str, body=None, content_type: str = "application/json", method: st
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+def translated(answer: tuple[int, object]) -> tuple[int, object]:
+    """(status, the translatedText) of an answer that has one, else (status, the body): the confidence aside."""
+    status, body = answer
+    return status, body["translatedText"] if isinstance(body, dict) and "translatedText" in body else body
 
 
 def call_from(
@@ -146,7 +155,8 @@ def test_translations_equal_generate_for_the_same_sentences(server, sentences, r
 
     status, body = call(f"{server.url}/translate", {"q": sentences[8:12], "source": "en", "target": "de"})
     assert status == 200
-    assert body == {"translatedText": [references[s] for s in sentences[8:12]]}
+    assert body["translatedText"] == [references[s] for s in sentences[8:12]]
+    assert set(body) == {"translatedText", "confidence"}
 
 
 def test_libretranslate_request_and_response_shapes(server, sentences, references):
@@ -159,10 +169,7 @@ def test_libretranslate_request_and_response_shapes(server, sentences, reference
     first, second = sentences[0], sentences[1]
     # libretranslatepy and LibreTranslate's own page send form-encoded bodies.
     form = urllib.parse.urlencode({"q": first, "source": "en", "target": "de", "api_key": "ignored"}).encode()
-    assert call(f"{server.url}/translate", form, FORM) == (
-        200,
-        {"translatedText": references[first]},
-    )
+    assert translated(call(f"{server.url}/translate", form, FORM)) == (200, references[first])
     status, body = call(f"{server.url}/translate", {"q": [first, second], "source": "auto", "target": "de"})
     assert status == 200
     assert body["translatedText"] == [references[first], references[second]]
@@ -186,6 +193,88 @@ def test_libretranslate_request_and_response_shapes(server, sentences, reference
     )
     status, health = call(f"{server.url}/health")
     assert status == 200 and health["status"] == "ok" and health["engine"] == "torch"
+
+
+def test_inline_markup_is_carried_by_alignment_and_alignments_and_confidences_answered(
+    server, sentences, references, trained_model_dir
+):
+    from lxml import etree
+
+    # The tags placed by the word alignment, as `translate --input page.html` places them (not by word order).
+    pages = [f"<p>{' '.join([*s.split()[:2], f'<b>{s.split()[2]}</b>', *s.split()[3:]])}</p>" for s in sentences[4:8]]
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained_model_dir).eval()
+    expected = translate(model, AutoTokenizer.from_pretrained(trained_model_dir), pages, text_format="html")
+    status, body = call(f"{server.url}/translate", {"q": pages, "source": "en", "target": "de", "format": "html"})
+    assert (status, body["translatedText"]) == (200, expected)
+    assert all(c <= 0 for c in body["confidence"])
+
+    first, second = sentences[0], sentences[1]
+    words = first.split()
+    marked = " ".join([words[0], f'<b class="k">{words[1]}</b>', *words[2:]])
+    status, body = call(f"{server.url}/translate", {"q": f"<p>{marked}</p>", "source": "en", "target": "de",
+                                                   "format": "html"})  # fmt: skip
+    assert status == 200, body
+    tree = etree.fromstring(body["translatedText"])  # well formed: lxml's XML parser reads it
+    # The sentence translated whole, as plain text, the tag put back once, its attribute as written.
+    assert "".join(tree.itertext()) == references[first] and len(tree.findall("b")) == 1
+    assert tree.find("b").get("class") == "k" and tree.find("b").text
+    assert body["confidence"] <= 0
+    assert call(f"{server.url}/translate", {"q": marked, "source": "en", "target": "de", "format": "html",
+                                            "alignments": True}) == (  # fmt: skip
+        400,
+        {"error": "Invalid request: alignments count the words of text, not of HTML (whose markup they place): "
+                  "ask for them with format text"},
+    )  # fmt: skip
+
+    status, body = call(
+        f"{server.url}/translate",
+        {"q": [first, f"{first} {second}"], "source": "en", "target": "de", "alignments": True, "alternatives": 2},
+    )
+    assert status == 200, body
+    assert body["translatedText"] == [references[first], f"{references[first]} {references[second]}"]
+    one, two = (re.findall(r"\w+|[^\w\s]", text) for text in (first, f"{first} {second}"))
+    for pairs, source, target in zip(body["alignments"], (one, two), body["translatedText"], strict=True):
+        found = [tuple(map(int, pair.split("-"))) for pair in pairs.split()]  # Pharaoh's i-j
+        targets = re.findall(r"\w+|[^\w\s]", target)
+        assert found and all(0 <= i < len(source) and 0 <= j < len(targets) for i, j in found)
+    # The two-sentence text's second sentence is aligned after the first's words, on both sides.
+    assert max(i for i, _ in (map(int, p.split("-")) for p in body["alignments"][1].split())) >= len(one)
+    assert all(c <= 0 for c in body["confidence"]) and len(set(body["confidence"])) == 2
+    assert [len(c) for c in body["alternativesConfidence"]] == [len(a) for a in body["alternatives"]] == [2, 2]
+    assert all(c <= 0 for each in body["alternativesConfidence"] for c in each)
+    # A text's confidence is over all its tokens, as `translate --scores` gives a line's: its sentences' weighted by
+    # their translations' tokens (`</s>` included).
+    alone = call(f"{server.url}/translate", {"q": second, "source": "en", "target": "de"})[1]
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    tokens = [len(tokenizer(text).input_ids) for text in (body["translatedText"][0], alone["translatedText"])]
+    mean = (body["confidence"][0] * tokens[0] + alone["confidence"] * tokens[1]) / sum(tokens)
+    assert body["confidence"][1] == pytest.approx(mean, abs=1e-4)
+
+
+def test_a_glossary_puts_its_target_terms_in_the_sentences_that_hold_its_source_terms(server, sentences, references):
+    with_term = next(s for s in sentences if re.search(r"\bman\b", s, re.IGNORECASE))
+    without = next(s for s in sentences if not re.search(r"\bman\b", s, re.IGNORECASE))
+    assert "Zebra" not in references[with_term]  # the model's own translation differs
+    for glossary in ([["Man", "Zebra"]], {"man": "Zebra"}):
+        status, body = call(
+            f"{server.url}/translate",
+            {"q": [with_term, without], "source": "en", "target": "de", "glossary": glossary},
+        )
+        assert status == 200, body
+        termed, free = body["translatedText"]
+        assert "Zebra" in re.findall(r"\w+", termed) and termed != references[with_term]
+        assert free == references[without]  # a sentence without terms, batched beside one with, as without
+    form = urllib.parse.urlencode({"q": with_term, "source": "en", "target": "de", "glossary": '{"man": "Zebra"}'})
+    assert "Zebra" in re.findall(r"\w+", call(f"{server.url}/translate", form.encode(), FORM)[1]["translatedText"])
+    for glossary, error in (
+        ([["man"]], "glossary must be a list of [source, target] pairs of strings, or an object {source: target}, "
+                    'got [["man"]]'),
+        ({"man": " "}, "glossary term 1: the target term is empty; give source TAB target."),
+        ([["man", "a"], ["MAN", "b"]], "glossary term 2: the source term 'MAN' repeats that of glossary term 1 (in "
+                                       "any case); give each source term one target."),
+    ):  # fmt: skip
+        request = {"q": with_term, "source": "en", "target": "de", "glossary": glossary}
+        assert call(f"{server.url}/translate", request) == (400, {"error": f"Invalid request: {error}"})
 
 
 def test_a_paragraph_is_translated_sentence_by_sentence_with_its_layout_kept(server, sentences, references):
@@ -405,7 +494,7 @@ def _chunked_multipart(url: str, fields: list[tuple[str, str]]) -> tuple[int, ob
 
 def test_a_chunked_multipart_body_is_held_to_the_body_limit(server, sentences, references):
     fields = [("q", sentences[0]), ("source", "en"), ("target", "de")]
-    assert _chunked_multipart(f"{server.url}/translate", fields) == (200, {"translatedText": references[sentences[0]]})
+    assert translated(_chunked_multipart(f"{server.url}/translate", fields)) == (200, references[sentences[0]])
     # Four parts of 30,000 bytes: each under the server's 77,536-byte limit (--char-limit 1000), together over it.
     status, answer = _chunked_multipart(f"{server.url}/translate", fields + [("padding", "x" * 30_000)] * 4)
     assert status == 413 and "bytes" in answer["error"], answer
@@ -446,9 +535,9 @@ def test_a_big_request_takes_turns_with_a_small_one_behind_it_and_too_many_sente
                 assert time.monotonic() < deadline and not big.done(), "the big request never was in the server"
                 time.sleep(0.01)
             small = pool.submit(send, "small", sentences[0])
-            assert small.result(120) == (200, {"translatedText": references[sentences[0]]})
+            assert translated(small.result(120)) == (200, references[sentences[0]])
             # Its sentences spread over batches, the big request is still answered in order, as generate() does.
-            assert big.result(120) == (200, {"translatedText": "\n".join(references[s] for s in lines)})
+            assert translated(big.result(120)) == (200, "\n".join(references[s] for s in lines))
         assert finished == ["small", "big"]
         # Blank lines are not sentences: 100 sentences and 50 blank lines are within the limit, 101 are not.
         assert call(f"{server.url}/translate", {**GOOD, "q": "\n\n".join(["A dog."] * 100)})[0] == 200
@@ -504,7 +593,7 @@ def test_sigterm_with_requests_in_flight_loses_none_of_them(trained_model_dir, t
         server.process.send_signal(signal.SIGTERM)
         answers = [future.result(timeout=120) for future in futures]
     assert server.stop() == 0
-    assert answers == [(200, {"translatedText": references[s]}) for s in batch]
+    assert [translated(answer) for answer in answers] == [(200, references[s]) for s in batch]
     assert "Traceback" not in server.log_path.read_text()
 
 
@@ -518,7 +607,7 @@ def test_serve_decodes_with_the_beam_and_length_penalty_asked_for(trained_model_
     # Each option changes these translations: a server that dropped either would answer otherwise.
     assert expected != [references[sentence] for sentence in sentences]
     assert expected != generate_translations(trained_model_dir, sentences, num_beams=3)
-    assert (status, body) == (200, {"translatedText": expected})
+    assert translated((status, body)) == (200, expected)
 
 
 def test_ctranslate2_engine_exports_beside_the_model_and_translates(trained_model_dir, tmp_path, sentences):
@@ -534,7 +623,7 @@ def test_ctranslate2_engine_exports_beside_the_model_and_translates(trained_mode
     assert (model_dir / "ctranslate2" / "model.bin").is_file()
     # CTranslate2 normalises by |Y|^alpha (HF's form), not the GNMT penalty; otherwise our beam search.
     expected = generate_translations(trained_model_dir, sentences[:8], length_penalty_type="hf")
-    assert (status, body) == (200, {"translatedText": expected})
+    assert translated((status, body)) == (200, expected)
 
 
 def test_the_models_languages_come_from_its_files_or_the_options(trained_model_dir, tmp_path):
@@ -607,6 +696,13 @@ def test_the_page_translates_paragraphs_alternatives_and_files_in_headless_chrom
             page.wait_for_function("document.querySelectorAll('#alternatives li').length > 0", timeout=60_000)
             alternatives = page.eval_on_selector_all("#alternatives li", "items => items.map(i => i.textContent)")
             single = page.inner_text("#translation")
+            scores = page.eval_on_selector_all("#alternatives li", "items => items.map(i => i.dataset.confidence)")
+            # The alignments asked for, and the confidence, shown beside the translation.
+            page.fill("#count", "0")
+            page.check("#align")
+            page.click("#translate")
+            page.wait_for_function("document.getElementById('alignments').textContent.length > 0", timeout=60_000)
+            confidence, aligned = page.inner_text("#confidence"), page.inner_text("#alignments")
             # A file: uploaded, translated, linked for download from this server.
             page.set_input_files("#file", str(upload))
             page.click("#translate-file")
@@ -621,6 +717,11 @@ def test_the_page_translates_paragraphs_alternatives_and_files_in_headless_chrom
     assert shown == expected and detected.startswith("Detected: English")
     plain = call(f"{server.url}/translate", {"q": sentences[3], "source": "en", "target": "de", "alternatives": 3})[1]
     assert single == references[sentences[3]] and alternatives == plain["alternatives"]
+    assert scores == [f"{c:.2f}" for c in plain["alternativesConfidence"]]
+    asked = {"q": sentences[3], "source": "en", "target": "de", "alignments": True}
+    answer = call(f"{server.url}/translate", asked)[1]
+    assert confidence == f"Confidence: {answer['confidence']:.2f}"
+    assert aligned == f"Alignments (source-target word): {answer['alignments']}" and answer["alignments"]
     assert link.startswith("/download_file/")
     with urllib.request.urlopen(server.url + link, timeout=60) as response:
         downloaded = response.read().decode()
@@ -631,11 +732,14 @@ def test_serve_logs_the_sentences_an_engine_translates_to_nothing(caplog):
     from vaswani_transformer.serving.app import _logging_empty
 
     class Ending:  # an engine whose beam search ends one sentence at its first step
-        def hypotheses(self, sentences: list[str], count: int) -> list[list[str]]:
-            return [["" if "<script>" in s else s.upper()] * count for s in sentences]
+        def scored_hypotheses(self, sentences: list[str], count: int, glossary=None) -> list[list[Hypothesis]]:
+            return [[Hypothesis("" if "<script>" in s else s.upper(), -1.0)] * count for s in sentences]
+
+    def texts(sentences: list[str], count: int) -> list[list[str]]:
+        return [[h.text for h in each] for each in _logging_empty(Ending())(sentences, count)]
 
     with caplog.at_level(logging.WARNING, logger="vaswani_transformer.inference.translation"):
-        assert _logging_empty(Ending())(["a dog.", "Two <script>alert(2)</script> men."], 1) == [["A DOG."], [""]]
-        assert _logging_empty(Ending())(["a cat."], 2) == [["A CAT.", "A CAT."]]
+        assert texts(["a dog.", "Two <script>alert(2)</script> men."], 1) == [["A DOG."], [""]]
+        assert texts(["a cat."], 2) == [["A CAT.", "A CAT."]]
     warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_transformer.inference.translation"]
     assert len(warnings) == 1 and warnings[0].startswith("1 of 2 non-blank sentences translated to an empty string")

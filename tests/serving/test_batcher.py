@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from vaswani_transformer.inference.glossary import Glossary
 from vaswani_transformer.serving.batcher import MicroBatcher, _Job, take_turns
 
 
@@ -17,12 +18,14 @@ class _Blocking:
     def __init__(self, fail_on: str | None = None) -> None:
         self.batches: list[list[str]] = []
         self.counts: list[int] = []  # hypotheses asked for, per call
+        self.glossaries: list = []  # the glossaries of each call
         self.release, self.started = threading.Event(), threading.Event()
         self.fail_on = fail_on
 
-    def __call__(self, sentences: list[str], count: int) -> list[list[str]]:
+    def __call__(self, sentences: list[str], count: int, glossaries=None) -> list[list[str]]:
         self.batches.append(list(sentences))
         self.counts.append(count)
+        self.glossaries.append(glossaries)
         if len(self.batches) == 1:
             self.started.set()
             self.release.wait(30)
@@ -119,6 +122,21 @@ def test_a_request_for_alternatives_shares_a_batch_and_each_request_gets_the_hyp
     assert three.result() == [["A CAT", "A Cat", "a cat!"], ["X", "X", "x!"]]
     with pytest.raises(ValueError, match="hypotheses must be at least 1"):
         batcher.submit(["y"], [1], hypotheses=0)
+
+
+def test_a_request_with_a_glossary_shares_a_batch_and_only_its_own_sentences_get_its_terms():
+    engine = _Blocking()
+    batcher = MicroBatcher(engine, batch_wait_ms=0, max_batch_tokens=1000, batch_size=100)
+    terms = Glossary([("dog", "Hund")])
+    first = batcher.submit(["first"], [1])
+    assert engine.started.wait(30)
+    plain, termed = batcher.submit(["a cat"], [2]), batcher.submit(["a dog", "x"], [2, 1], glossary=terms)
+    engine.release.set()
+    batcher.close()
+    # One call for both requests; each sentence with its own request's glossary; none at all for a call without.
+    assert engine.batches == [["first"], ["a cat", "a dog", "x"]]
+    assert engine.glossaries == [None, [None, terms, terms]]
+    assert first.result() == [["FIRST"]] and plain.result() == [["A CAT"]] and termed.result() == [["A DOG"], ["X"]]
 
 
 def test_micro_batcher_fails_only_the_request_that_fails_and_close_finishes_the_queue():

@@ -144,16 +144,16 @@ class InferenceConfig:
 
     split_sentences: bool = option(
         SPLIT_SENTENCES,
-        help="translate and serve split each line (and HTML text node) into sentences, translate them and put the "
+        help="translate and serve split each line (and HTML block) into sentences, translate them and put the "
         "text back together; the flag translates each line whole, for one sentence per line (evaluate always does)",
         group=DECODING,
         flag="--no-split-sentences",
     )
     input_format: str = option(
         INPUT_FORMATS[0],
-        help="what translate's --input holds: html, a document translated whole (its text nodes, sentence by "
-        "sentence; tags, scripts and styles kept as written) and written back; text, lines translated one by one, "
-        "layout kept; auto: html for a .html or .htm file, else text",
+        help="what translate's --input holds: html, a document translated whole (its blocks' sentences across "
+        "inline tags, the markup carried over by word alignment; tags, scripts and styles kept as written) and "
+        "written back; text, lines translated one by one, layout kept; auto: html for a .html or .htm file, else text",
         group=DECODING,
         choices=INPUT_FORMATS,
     )

@@ -46,8 +46,9 @@ except ImportError as error:
     ) from error
 
 from ..exchange.hub import check_model_exists
+from ..inference.alignment import aligner_for
 from ..inference.config import BATCH_SIZE, InferenceConfig
-from ..inference.engines import Engine, load_engine, model_languages
+from ..inference.engines import Engine, Glossaries, Hypothesis, load_engine, model_languages
 from ..inference.translation import warn_of_empty_translations
 from .access import Access, load_api_keys
 from .batcher import MicroBatcher
@@ -270,24 +271,38 @@ def _translate_routes(
         )
         text = "\n".join(checked.texts) if checked.auto else ""  # all its texts say the request's language
         model, detected = choose_model(by_pair, detector, checked.source, checked.target, text)
-        translated = await model.translate(checked.texts, checked.format, checked.alternatives, checked.is_list)
+        translated = await model.translate(
+            checked.texts,
+            checked.format,
+            checked.alternatives,
+            checked.is_list,
+            glossary=checked.glossary,
+            alignments=checked.alignments,
+        )
         metrics.sentences.labels(f"{model.source}-{model.target}").inc(translated.sentences)
+
+        def each(values: list) -> object:  # a value per text for a list q, the one text's for a string
+            return values if checked.is_list else values[0]
+
         texts = translated.texts
-        body: dict = {"translatedText": texts if checked.is_list else texts[0]}
+        body: dict = {"translatedText": each(texts), "confidence": each(translated.confidences)}
         if detected is not None:
-            body["detectedLanguage"] = [detected] * len(texts) if checked.is_list else detected
+            body["detectedLanguage"] = each([detected] * len(texts))
         if checked.alternatives:
-            body["alternatives"] = translated.alternatives if checked.is_list else translated.alternatives[0]
+            body["alternatives"] = each(translated.alternatives)
+            body["alternativesConfidence"] = each(translated.alternative_confidences)
+        if translated.alignments is not None:
+            body["alignments"] = each(translated.alignments)
         return JSONResponse(body)
 
     return router
 
 
-def _logging_empty(engine: Engine) -> Callable[[list[str], int], list[list[str]]]:
-    # The engine's hypotheses, logging the batches' non-blank sentences translated to "" (one warning a batch).
-    def translate(sentences: list[str], count: int) -> list[list[str]]:
-        found = engine.hypotheses(sentences, count)
-        warn_of_empty_translations(sentences, [each[0] for each in found])
+def _logging_empty(engine: Engine) -> Callable[[list[str], int, Glossaries], list[list[Hypothesis]]]:
+    # The engine's scored hypotheses, logging the batches' non-blank sentences translated to "" (one warning a batch).
+    def translate(sentences: list[str], count: int, glossary: Glossaries = None) -> list[list[Hypothesis]]:
+        found = engine.scored_hypotheses(sentences, count, glossary)
+        warn_of_empty_translations(sentences, [each[0].text for each in found])
         return found
 
     return translate
@@ -473,9 +488,9 @@ def _served_model(
     batch_size = inference.batch_size or BATCH_SIZE
     translate, observe = _logging_empty(engine), metrics.batch_sizes.labels(f"{source}-{target}").observe
 
-    def measured(sentences: list[str], count: int) -> list[list[str]]:
+    def measured(sentences: list[str], count: int, glossary: Glossaries) -> list[list[Hypothesis]]:
         observe(len(sentences))
-        return translate(sentences, count)
+        return translate(sentences, count, glossary)
 
     batcher = MicroBatcher(measured, config.batch_wait_ms, config.max_batch_tokens, batch_size)
     limits = Limits(
@@ -495,4 +510,8 @@ def _served_model(
         "batch_size": batch_size,
     }
     beams = engine.beam_size or engine.generation_config.num_beams or 1
-    return ServedModel(source, target, batcher, engine.tokenizer, limits, inference.split_sentences, beams, info)
+    # The CTranslate2 engine keeps no attention: its translations are aligned by the torch model beside its export.
+    aligner = aligner_for(engine, model, inference.device)
+    return ServedModel(
+        source, target, batcher, engine.tokenizer, limits, inference.split_sentences, beams, aligner, info
+    )

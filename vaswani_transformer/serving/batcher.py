@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..inference.config import BATCH_SIZE
+from ..inference.glossary import Glossary
 from .config import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ class _Job:
     future: Future
     timeout: float | None
     deadline: float  # time.monotonic() past which its sentences not yet in a batch are dropped
-    translations: list[list[str] | None]
+    translations: list[list | None]  # each sentence's hypotheses, as `translate_fn` gives them
     hypotheses: int = 1  # translations of each sentence, best first
+    glossary: Glossary | None = None  # the request's terms, for its sentences alone
     taken: int = 0  # sentences put in a batch so far, in order
     answered: int = 0
 
@@ -80,8 +82,9 @@ class MicroBatcher:
     it, instead of holding the model until it is done (fair queueing: round-robin over requests).
     While the waiting sentences do not fill a batch, the worker first collects new requests for
     up to `batch_wait_ms` milliseconds. It translates a batch with one call of `translate_fn`, keeping as many
-    hypotheses of each sentence as the batch's most demanding request asks for (`Engine.hypotheses`: the best is the
-    same whatever the count), and
+    hypotheses of each sentence as the batch's most demanding request asks for (`Engine.scored_hypotheses`: the best
+    is the same whatever the count), with each sentence's request's glossary (one per sentence, None for none; None
+    for the whole call where no request of the batch has one, the call without glossaries), and
     answers a request once all its sentences are translated, in order. If that call fails, each
     request of the batch is translated alone, so that one bad request fails alone. A request
     still waiting after its `timeout` fails with `TimeoutError`; none of its remaining sentences
@@ -93,8 +96,8 @@ class MicroBatcher:
     See docs/serving.md, "Micro-batching".
 
     Args:
-        translate_fn: (sentences, count) -> the `count` best translations of each sentence, in order (an engine's
-            `hypotheses`).
+        translate_fn: (sentences, count, glossaries) -> the `count` best translations of each sentence, in order, as
+            `Engine.scored_hypotheses` gives them; `glossaries` one `Glossary` or None per sentence, or None.
         batch_wait_ms: how long to collect after the first request, in milliseconds (0: take only
             what is already waiting).
         max_batch_tokens: source tokens per batch, all sentences together.
@@ -106,7 +109,7 @@ class MicroBatcher:
 
     def __init__(
         self,
-        translate_fn: Callable[[list[str], int], list[list[str]]],
+        translate_fn: Callable[[list[str], int, list[Glossary | None] | None], list[list]],
         batch_wait_ms: float = ServingConfig.batch_wait_ms,
         max_batch_tokens: int = ServingConfig.max_batch_tokens,
         batch_size: int = BATCH_SIZE,
@@ -138,10 +141,15 @@ class MicroBatcher:
         return self._in_flight
 
     def submit(
-        self, sentences: list[str], lengths: list[int], timeout: float | None = None, hypotheses: int = 1
+        self,
+        sentences: list[str],
+        lengths: list[int],
+        timeout: float | None = None,
+        hypotheses: int = 1,
+        glossary: Glossary | None = None,
     ) -> Future:
         """Queue one request's sentences; the future gives their translations, in order: a list of each one's
-        `hypotheses` best, best first.
+        `hypotheses` best, best first (what `translate_fn` gives).
 
         See docs/serving.md, "Micro-batching".
 
@@ -151,6 +159,7 @@ class MicroBatcher:
             timeout: seconds from now after which the sentences not yet in a batch are dropped and
                 the future fails with `TimeoutError`; None for no limit.
             hypotheses: translations of each sentence (n-best), at least 1.
+            glossary: the terms of the request's sentences (`translate_fn`'s glossaries), None for none.
 
         Raises:
             ValueError: `lengths` does not match `sentences`, a timeout that is not above 0, or `hypotheses` below 1.
@@ -164,7 +173,8 @@ class MicroBatcher:
             raise ValueError(f"hypotheses must be at least 1, got {hypotheses}.")
         future: Future = Future()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        job = _Job(list(sentences), list(lengths), future, timeout, deadline, [None] * len(sentences), hypotheses)
+        translations: list[list | None] = [None] * len(sentences)
+        job = _Job(list(sentences), list(lengths), future, timeout, deadline, translations, hypotheses, glossary)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
@@ -253,7 +263,9 @@ class MicroBatcher:
         jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
             count = max(job.hypotheses for job in jobs)
-            translations = self.translate_fn([job.sentences[i] for job, i in batch], count)
+            glossaries = [job.glossary for job, _ in batch]
+            per_sentence = glossaries if any(g is not None for g in glossaries) else None
+            translations = self.translate_fn([job.sentences[i] for job, i in batch], count, per_sentence)
         except Exception as error:
             if len(jobs) > 1:
                 for job in jobs:

@@ -65,7 +65,7 @@ class ServingConfig:
     char_limit: int = option(5000, help="characters of q, all texts together", group=LIMITS)
     batch_limit: int = option(64, help="texts in a list q", group=LIMITS)
     sentence_limit: int = option(
-        500, help="sentences of q, all texts together: lines with text, or HTML text nodes", group=LIMITS
+        500, help="sentences of q, all texts together: the sentences of its lines, or of its HTML blocks", group=LIMITS
     )
     request_timeout: float = option(
         60.0,

@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from ..data.segmentation import Pieces, fit_to_limit
-from ..data.text_format import split_text
+from ..data.segmentation import Alignment, Pieces, fit_to_limit
+from ..data.text_format import Prepared, split_text
+from ..inference.alignment import Aligner, format_alignment
+from ..inference.confidence import piece_scores, scored_texts
+from ..inference.engines import Hypothesis
+from ..inference.glossary import Glossary
 from .batcher import MicroBatcher
 from .detection import LanguageDetector
 from .requests import Limits, RequestError
@@ -30,11 +34,19 @@ class Translated:
     Attributes:
         texts: the translated texts, in order.
         alternatives: for each text, up to the alternatives asked for, each other than the text's translation.
+        confidences: for each text, the confidence of its translation (`inference.confidence.scored_texts`), None
+            for a text with nothing to translate.
+        alternative_confidences: for each text, the confidence of each of its `alternatives`, in their order.
+        alignments: for each text, its word alignment in Pharaoh's format (`alignment.format_alignment`), where
+            asked for; else None.
         sentences: the sentences translated (pieces of over-long ones included), for `/metrics`.
     """
 
     texts: list[str]
     alternatives: list[list[str]]
+    confidences: list[float | None]
+    alternative_confidences: list[list[float | None]]
+    alignments: list[str] | None
     sentences: int
 
 
@@ -44,12 +56,13 @@ class ServedModel:
 
     Attributes:
         source, target: the pair's ISO 639-1 codes.
-        batcher: the model's own `MicroBatcher`.
+        batcher: the model's own `MicroBatcher`, whose results are `Engine.scored_hypotheses`'.
         tokenizer: the model's tokenizer, copied (a fast tokenizer must not be called by two threads at once; this
             copy is called only on the event loop's thread).
         limits: what one request may ask for.
         split_sentences: whether texts are split into sentences (`InferenceConfig.split_sentences`).
         beams: the beam size, which bounds the alternatives (`Engine.hypotheses`).
+        aligner: aligns translations to their sources, for HTML's markup and `alignments` (`alignment.aligner_for`).
         info: what `GET /health` says of the model (name, engine, batching).
     """
 
@@ -60,6 +73,7 @@ class ServedModel:
     limits: Limits
     split_sentences: bool
     beams: int
+    aligner: Aligner
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,11 +83,23 @@ class ServedModel:
         return [len(ids) for ids in self.tokenizer(sentences, verbose=False)["input_ids"]] if sentences else []
 
     async def translate(
-        self, texts: list[str], text_format: str, alternatives: int, is_list: bool, field: str = "q"
+        self,
+        texts: list[str],
+        text_format: str,
+        alternatives: int,
+        is_list: bool,
+        field: str = "q",
+        glossary: Glossary | None = None,
+        alignments: bool = False,
     ) -> Translated:
         """Translate a request's texts, sentence by sentence, with up to `alternatives` other translations each.
 
         `field` is what the refusals call the texts: `q` (`q[i]` for a list), or `file` (`POST /translate_file`).
+        A sentence that holds a source term of `glossary` gets its target term (`Engine.scored_hypotheses`); the
+        request's sentences are batched with other requests' all the same, each with its own request's glossary.
+        HTML's inline markup is carried over by the word alignment of its sentences and their translations
+        (`markup.split_html`, `self.aligner`), as `translate --input page.html` carries it; `alignments` (text
+        only) gives each text's alignment too (`Translated.alignments`, as `translate --alignments` prints it).
 
         Text i's alternative k is the text rebuilt from the (k + 1)-th best translation of each of its sentences
         (the best where a sentence has no more), dropped where it equals the translation or an earlier alternative,
@@ -83,19 +109,41 @@ class ServedModel:
 
         Raises:
             RequestError: markup that cannot be parsed, too many sentences, a sentence over the model's limit (with
-                long_inputs "error"), alternatives over the beam (400); a shutting-down server or a request past its
-                deadline (503); a failed translation (500).
+                long_inputs "error"), alternatives over the beam, a glossary the model cannot take (400); a
+                shutting-down server or a request past its deadline (503); a failed translation (500).
         """
         splits = self._split(texts, text_format)
         sentences = [sentence for found, _ in splits for sentence in found]
-        work = [i for i, sentence in enumerate(sentences) if sentence.strip()]  # layout stays as it is
-        self._check_counts(len(work), alternatives, field)
+        self._check_counts(sum(bool(sentence.strip()) for sentence in sentences), alternatives, field)
         owner = [i for i, (found, _) in enumerate(splits) for _sentence in found]  # the text of each sentence
-        pieces = self._fit([sentences[i] for i in work], [f"{field}[{owner[i]}]" if is_list else field for i in work])
-        found = await self._hypotheses(pieces, alternatives + 1)
-        ranked = _ranked(found, alternatives + 1, pieces, work, len(sentences))
-        out, others = _rebuild(splits, ranked)
-        return Translated(out, others, len(pieces.texts))
+        pieces = self._fit(sentences, [f"{field}[{i}]" if is_list else field for i in owner])
+        work = [k for k, piece in enumerate(pieces.texts) if piece.strip()]  # layout stays as it is
+        self._check_glossary(glossary, [pieces.texts[k] for k in work])
+        found: list[list[Hypothesis]] = [[Hypothesis("", None)] for _ in pieces.texts]
+        hypotheses = await self._hypotheses(pieces, work, alternatives + 1, glossary)
+        for k, each in zip(work, hypotheses, strict=True):
+            found[k] = each
+        ranked = [[each[min(rank, len(each) - 1)] for each in found] for rank in range(alternatives + 1)]
+        # HTML's markup takes every rank's alignment, `alignments` the best's alone.
+        aligned = await self._align(pieces.texts, ranked[: len(ranked) if text_format == "html" else int(alignments)])
+        prepared = Prepared(pieces, [len(each) for each, _ in splits], [rebuild for _, rebuild in splits], sentences)
+        versions = [
+            prepared.finish([h.text for h in hypotheses], aligned[rank] if rank < len(aligned) else None)
+            for rank, hypotheses in enumerate(ranked)
+        ]
+        # A text's confidence as `translate --scores` gives a line's: over all its tokens (`confidence.scored_texts`).
+        scores = []
+        for version, found in zip(versions, ranked, strict=True):
+            pieces_scored = piece_scores(found, self._count([hypothesis.text for hypothesis in found]))
+            scores.append([text.confidence for text in scored_texts(prepared, version, pieces_scored)])
+        out, others, other_scores = [], [], []
+        for i, best in enumerate(versions[0]):
+            out.append(best.text)
+            kept = [r for r in range(1, len(versions)) if versions[r][i].text not in {v[i].text for v in versions[:r]}]
+            others.append([versions[r][i].text for r in kept])
+            other_scores.append([scores[r][i] for r in kept])
+        formatted = [format_alignment(each.alignment or []) for each in versions[0]] if alignments else None
+        return Translated(out, others, scores[0], other_scores, formatted, len(work))
 
     def _split(self, texts: list[str], text_format: str) -> list[_Split]:
         # Each text's sentences, and the function that puts their translations back into the text.
@@ -117,6 +165,21 @@ class ServedModel:
                 f"{self.beams} (--num-beams)"
             )
 
+    def _check_glossary(self, glossary: Glossary | None, sentences: list[str]) -> None:
+        # What the engine would fail on, refused before the request is queued: a target term with a special token,
+        # terms without beam search.
+        if glossary is None:
+            return
+        try:
+            terms = glossary.target_ids(sentences, self.tokenizer)
+        except ValueError as error:
+            raise RequestError(f"Invalid request: {error}") from None
+        if any(terms) and self.beams < 2:
+            raise RequestError(
+                f"Invalid request: a glossary needs beam search of at least 2 beams; this server's is {self.beams} "
+                "(--num-beams)"
+            )
+
     def _fit(self, sentences: list[str], fields: list[str]) -> Pieces:
         # The sentences cut to the model's limit; with long_inputs "error", the refusal of the first over it, named by
         # its field; with "truncate", whole (the engine cuts them).
@@ -130,10 +193,18 @@ class ServedModel:
             )
         return fit_to_limit(sentences, lengths, limit, lambda text: self._count([text])[0])
 
-    async def _hypotheses(self, pieces: Pieces, count: int) -> list[list[str]]:
-        # Up to `count` translations of each piece, best first, from the batcher, its failures as refusals.
+    async def _hypotheses(
+        self, pieces: Pieces, work: list[int], count: int, glossary: Glossary | None
+    ) -> list[list[Hypothesis]]:
+        # Up to `count` translations of the pieces `work`, best first, from the batcher, its failures as refusals.
         try:
-            future = self.batcher.submit(pieces.texts, pieces.lengths, self.limits.request_timeout, count)
+            future = self.batcher.submit(
+                [pieces.texts[k] for k in work],
+                [pieces.lengths[k] for k in work],
+                self.limits.request_timeout,
+                count,
+                glossary,
+            )
         except RuntimeError as error:  # the server is shutting down
             raise RequestError(str(error), 503) from None
         try:
@@ -147,31 +218,20 @@ class ServedModel:
         except Exception as error:
             raise RequestError(f"translation failed: {error}", 500) from error
 
-
-def _ranked(found: list[list[str]], ranks: int, pieces: Pieces, work: list[int], sentences: int) -> list[list[str]]:
-    # For each rank, one translation per sentence of the request: its pieces' translations of that rank (the last a
-    # piece has where it has fewer) joined, "" for a sentence of layout alone.
-    ranked = []
-    for rank in range(ranks):
-        per_piece = [each[min(rank, len(each) - 1)] for each in found]
-        translations = [""] * sentences
-        for i, translation in zip(work, pieces.join(per_piece, len(work)), strict=True):
-            translations[i] = translation
-        ranked.append(translations)
-    return ranked
-
-
-def _rebuild(splits: list[_Split], ranked: list[list[str]]) -> tuple[list[str], list[list[str]]]:
-    # Each text put back from its sentences' best translations, and its alternatives: the text put back from each
-    # lower rank, those equal to a higher one dropped.
-    out, others, start = [], [], 0
-    for found_sentences, rebuild in splits:
-        end = start + len(found_sentences)
-        versions = [rebuild(translations[start:end]) for translations in ranked]
-        out.append(versions[0])
-        others.append([v for k, v in enumerate(versions) if k and v not in versions[:k]])
-        start = end
-    return out, others
+    async def _align(self, sources: list[str], ranked: list[list[Hypothesis]]) -> list[list[Alignment]]:
+        # Each rank's word alignments to `sources`, a batch of the batcher's size at a time, off the event loop (the
+        # model is only read; the aligner locks its tokenizer).
+        sources_all = [source for _ in ranked for source in sources]
+        targets = [h.text for hypotheses in ranked for h in hypotheses]
+        size = self.batcher.batch_size
+        found: list[Alignment] = []
+        try:
+            for start in range(0, len(targets), size):
+                end = start + size
+                found += await asyncio.to_thread(self.aligner.align, sources_all[start:end], targets[start:end])
+        except Exception as error:
+            raise RequestError(f"aligning the translations failed: {error}", 500) from error
+        return [found[r * len(sources) : (r + 1) * len(sources)] for r in range(len(ranked))]
 
 
 def choose_model(

@@ -16,6 +16,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
 from ..data.text_format import TEXT_FORMATS
+from ..inference.glossary import Glossary
 
 
 class RequestError(ValueError):
@@ -37,7 +38,7 @@ class Limits:
     Attributes:
         char_limit: characters of `q`, all texts together.
         batch_limit: texts in a list `q`.
-        sentence_limit: sentences of `q`, all texts together: lines with text, or HTML text nodes.
+        sentence_limit: sentences of `q`, all texts together: the sentences of its lines, or of its HTML blocks.
         request_timeout: seconds a request's sentences may wait and be translated (`MicroBatcher.submit`).
         source_limit: tokens (with `</s>`) of one source sentence, the model's limit; None for none.
         long_inputs: "error" refuses a sentence over `source_limit`, "truncate" cuts it there.
@@ -61,7 +62,8 @@ class Limits:
 @dataclass(frozen=True)
 class TranslateRequest:
     """A checked `POST /translate`: `texts` (one, or the list `q` was), the language pair (`source` "auto" where it is
-    to be detected), `format`, `alternatives`.
+    to be detected), `format`, `alternatives`, the request's `glossary` (None for none) and whether it asks for
+    word `alignments`.
 
     See docs/serving.md, "The API".
     """
@@ -73,6 +75,8 @@ class TranslateRequest:
     auto: bool
     format: str
     alternatives: int
+    glossary: Glossary | None = None
+    alignments: bool = False
 
 
 def parse_translate_request(
@@ -82,7 +86,8 @@ def parse_translate_request(
 
     Fields: `q` (a string or a list of strings), `source` (a code, or "auto"), `target`, `format`
     ("text", the default, or "html"), `alternatives` (a whole number, at most `alternatives_limit`, LibreTranslate's
-    `--alternatives-limit`), `api_key` (checked by `access.Access`).
+    `--alternatives-limit`), `api_key` (checked by `access.Access`); and ours: `glossary` (`parse_glossary`),
+    `alignments` (true or false; text only: HTML's markup takes them).
 
     Args:
         fields: the parsed body (JSON object, or form fields; a repeated form field is a list).
@@ -134,7 +139,55 @@ def parse_translate_request(
         raise RequestError(f"Invalid request: alternatives must be a whole number, 0 or more, got {alternatives!r}")
     if alternatives > alternatives_limit:
         raise RequestError(f"Invalid request: alternatives parameter must be <= {alternatives_limit}")
-    return TranslateRequest(texts, is_list, source, target, auto, text_format, alternatives)
+    alignments = _flag(fields.get("alignments"), "alignments")
+    if alignments and text_format == "html":
+        raise RequestError(
+            "Invalid request: alignments count the words of text, not of HTML (whose markup they place): "
+            "ask for them with format text"
+        )
+    glossary = parse_glossary(fields.get("glossary"))
+    return TranslateRequest(texts, is_list, source, target, auto, text_format, alternatives, glossary, alignments)
+
+
+def parse_glossary(value: object) -> Glossary | None:
+    """A request's `glossary`: a list of [source, target] pairs or an object {source: target} (in a form, that JSON
+    as a string), as `inference.glossary.Glossary` reads terms; None where there is none or it is empty.
+
+    See docs/serving.md, "Glossaries".
+
+    Raises:
+        RequestError: another shape, a term that is not a string or is empty, or a source term given twice.
+    """
+    if value is None or value == "":
+        return None
+    shape = "a list of [source, target] pairs of strings, or an object {source: target}"
+    if isinstance(value, str):  # a form field
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RequestError(f"Invalid request: glossary must be {shape} (as JSON in a form)") from None
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, list) or not all(
+        isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(term, str) for term in pair)
+        for pair in pairs
+    ):
+        raise RequestError(f"Invalid request: glossary must be {shape}, got {json.dumps(value)[:80]}")
+    try:
+        glossary = Glossary(pairs, where="glossary term {}")
+    except ValueError as error:
+        raise RequestError(f"Invalid request: {error}") from None
+    return glossary if len(glossary) else None
+
+
+def _flag(value: object, name: str) -> bool:
+    # A boolean field: JSON's true or false, or a form's "true", "false", "1", "0" (any case); absent is false.
+    if value is None or value == "":
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise RequestError(f"Invalid request: {name} must be true or false, got {value!r}")
 
 
 def parse_languages(fields: dict, pairs: Collection[tuple[str, str]]) -> tuple[str, str]:
