@@ -41,6 +41,18 @@ class _Job:
 _STOP = object()
 
 
+def fills_a_batch(turns: deque[_Job], batch_size: int, max_batch_tokens: int) -> bool:
+    """Whether the sentences waiting in `turns` fill a batch of `batch_size` sentences or `max_batch_tokens` source
+    tokens; it stops counting once they do."""
+    sentences = tokens = 0
+    for job in turns:
+        sentences += len(job.sentences) - job.taken
+        tokens += sum(job.lengths[job.taken : job.taken + batch_size])
+        if sentences >= batch_size or tokens >= max_batch_tokens:
+            return True
+    return False
+
+
 def take_turns(turns: deque[_Job], batch_size: int, max_batch_tokens: int) -> list[tuple[_Job, int]]:
     """The next batch, one sentence of each waiting request in turn (fair queueing: round-robin over requests).
 
@@ -212,22 +224,13 @@ class MicroBatcher:
         self._settle(len(job.sentences) - job.answered)
         job.future.set_exception(error)
 
-    def _full(self) -> bool:
-        # Whether the sentences waiting fill a batch; stops counting once they do.
-        sentences = tokens = 0
-        for job in self._turns:
-            sentences += len(job.sentences) - job.taken
-            tokens += sum(job.lengths[job.taken : job.taken + self.batch_size])
-            if sentences >= self.batch_size or tokens >= self.max_batch_tokens:
-                return True
-        return False
-
     def _collect(self) -> bool:
         # Take every request waiting, and more for up to batch_wait_ms while they do not fill a batch.
         # True once the queue's end (`close`) was taken.
         until = time.monotonic() + self.batch_wait_ms / 1000
         while True:
-            wait = 0.0 if self._full() else max(0.0, until - time.monotonic())
+            full = fills_a_batch(self._turns, self.batch_size, self.max_batch_tokens)
+            wait = 0.0 if full else max(0.0, until - time.monotonic())
             try:
                 job = self._queue.get(timeout=wait)
             except queue.Empty:
