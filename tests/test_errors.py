@@ -233,7 +233,7 @@ def test_worker_processes_are_refused_where_they_cannot_run(translator, translat
 def test_a_worker_process_that_dies_is_one_line_of_error(translator_dir, tmp_path, capsys, monkeypatch):
     source = tmp_path / "in.en"
     source.write_text("A dog.\nA cat.\nTwo birds.\n", encoding="utf-8")
-    monkeypatch.setattr(Engine, "translate", lambda self, texts: os._exit(1))  # killed for memory, say
+    monkeypatch.setattr(Engine, "translate", lambda self, texts, glossary=None: os._exit(1))  # killed for memory, say
     status, _, err = run_cli(
         capsys, "translate", "--model", translator_dir, "--input", source, "--batch-size", "1", "--num-workers", "2"
     )

@@ -346,9 +346,9 @@ def test_a_run_on_sentence_over_the_limit_is_translated_clause_by_clause(trained
     translated = []
     engine_translate = TorchEngine.translate
 
-    def recorded(self, batch):
+    def recorded(self, batch, glossary=None):
         translated.extend(batch)
-        return engine_translate(self, batch)
+        return engine_translate(self, batch, glossary)
 
     monkeypatch.setattr(TorchEngine, "translate", recorded)
     assert translate(model, tokenizer, [sentence], long_inputs="split") == [" ".join(t for t in alone if t)]

@@ -627,9 +627,14 @@ def test_ctranslate2_engine_exports_beside_the_model_and_translates(trained_mode
 
 
 def test_the_models_languages_come_from_its_files_or_the_options(trained_model_dir, tmp_path):
-    assert model_languages(str(trained_model_dir)) == ("en", "de")  # training_config.json
+    assert model_languages(str(trained_model_dir)) == ("en", "de")  # config.json (VaswaniConfig.source_lang, ...)
     bare = tmp_path / "bare"
-    shutil.copytree(trained_model_dir, bare, ignore=shutil.ignore_patterns("checkpoints", "training_config.json"))
+    shutil.copytree(trained_model_dir, bare, ignore=shutil.ignore_patterns("checkpoints"))
+    config = json.loads((bare / "config.json").read_text())
+    assert (config["source_lang"], config["target_lang"]) == ("en", "de")  # written by `train`
+    (bare / "config.json").write_text(json.dumps({**config, "source_lang": None, "target_lang": None}))
+    assert model_languages(str(bare)) == ("en", "de")  # training_config.json
+    (bare / "training_config.json").unlink()
     assert model_languages(str(bare)) == ("en", "de")  # the model card's `language:`
     (bare / "README.md").unlink()
     with pytest.raises(ValueError, match="--source-lang and --target-lang"):
