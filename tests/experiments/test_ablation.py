@@ -2,7 +2,14 @@
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
 from conftest import MINI_MODEL
 
 from vaswani_transformer.cli import main
@@ -69,3 +76,42 @@ def test_ablate_without_bleu_sentences_says_what_to_give(mini_corpus, tmp_path, 
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "give --bleu-sentences N" in error
     assert not (tmp_path / "out").exists()
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def running(pid: int) -> bool:
+    try:  # a zombie has ended: where init does not reap the orphan, it stays in /proc as Z
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {seconds:.0f} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a process's children from Linux's /proc")
+def test_the_runs_stop_when_the_ablation_is_killed_and_none_trains_on_as_an_orphan(mini_corpus, tmp_path):
+    output_dir = tmp_path / "table3"
+    arguments = ablate(mini_corpus, output_dir, "--base-seeds", "1", "--processes", "2", "--threads", "1")
+    arguments[arguments.index("--max-steps") + 1] = "100000"  # still training when it is killed
+    ablation = subprocess.Popen([sys.executable, "-m", "vaswani_transformer.cli", *arguments],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    workers = []
+    try:
+        wait_for(lambda: len(list(output_dir.glob("*-seed1/training_log.jsonl"))) == 2, 300, "both runs training")
+        workers = [pid for pid in children(ablation.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == 2
+        ablation.kill()  # SIGKILL: the parent does nothing on its way out, so only the workers' own watch stops them
+        ablation.wait()
+        wait_for(lambda: not any(running(pid) for pid in workers), 60, "the workers' end")
+    finally:
+        ablation.kill()
+        for pid in filter(running, workers):  # what a failed test leaves would train on beside the next tests
+            os.kill(pid, signal.SIGKILL)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import one_line_error
+from conftest import cli_arguments, mini_run, one_line_error
 
+from vaswani_transformer.cli import main
 from vaswani_transformer.data.corpora import AlignedFiles, corpus_fingerprint, text_batches
 from vaswani_transformer.data.tokenizer import train_tokenizer
 from vaswani_transformer.training import corpus as corpus_preparation
@@ -214,10 +215,6 @@ def test_a_full_disk_while_the_tokenizer_is_saved_stops_in_one_line_and_leaves_n
     full, mini_corpus, tmp_path, monkeypatch, capsys
 ):
     # Issue 74, case 8: a 25-line traceback and exit 1, where the corpus stage gives one line.
-    from conftest import cli_arguments, mini_run
-
-    from vaswani_transformer.cli import main
-
     def trained_on_a_full_disk(*args, **kwargs):
         trained = train_tokenizer(*args, **kwargs)
 
@@ -271,18 +268,20 @@ def read_only_view(tmp_path):
             inner.chmod(inner.stat().st_mode | 0o200)
 
 
-def test_a_prepared_cache_on_a_read_only_mount_is_used_and_what_it_lacks_is_said_in_one_line(
-    mini_corpus, tmp_path, read_only_view, capsys
-):
-    # Issue 74, case 9: a fully prepared cache on a read-only mount stopped at creating tokenizers/KEY.lock.
-    from conftest import cli_arguments, mini_run
-
-    from vaswani_transformer.cli import main
-
+@pytest.fixture
+def prepared_cache(mini_corpus, tmp_path, capsys) -> tuple[Path, Path]:
+    """`(cache, entry)`: a data cache in which `train --prepare-only` prepared the mini corpus, and its entry."""
     cache = tmp_path / "cache"
     arguments = cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(cache)))
     assert main([*arguments, "--prepare-only"]) == 0
-    prepared = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    return cache, Path(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_prepared_cache_on_a_read_only_mount_is_used_and_what_it_lacks_is_said_in_one_line(
+    prepared_cache, mini_corpus, tmp_path, read_only_view, capsys
+):
+    # Issue 74, case 9: a fully prepared cache on a read-only mount stopped at creating tokenizers/KEY.lock.
+    cache, prepared = prepared_cache
     shared = read_only_view(cache)
     before = sorted((path.relative_to(shared), path.stat().st_mtime_ns) for path in shared.rglob("*"))
     reading = [*cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(shared))), "--prepare-only"]
@@ -298,16 +297,9 @@ def test_a_prepared_cache_on_a_read_only_mount_is_used_and_what_it_lacks_is_said
 
 
 def test_a_damaged_entry_on_a_read_only_mount_is_refused_in_one_line_that_says_how_to_remove_it(
-    mini_corpus, tmp_path, read_only_view, capsys
+    prepared_cache, mini_corpus, tmp_path, read_only_view, capsys
 ):
-    from conftest import cli_arguments, mini_run
-
-    from vaswani_transformer.cli import main
-
-    cache = tmp_path / "cache"
-    arguments = cli_arguments(mini_run(mini_corpus, tmp_path / "out", data_cache_dir=str(cache)))
-    assert main([*arguments, "--prepare-only"]) == 0
-    prepared = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    cache, prepared = prepared_cache
     size = (prepared / "train.arrow").stat().st_size
     cut_short(prepared / "train.arrow")
     shared = read_only_view(cache)
@@ -343,10 +335,6 @@ def write_wmt14_layout(directory, multi30k_dir, pairs: int) -> None:
 
 
 def test_the_wmt14_recipes_data_path_trains_from_a_dataset_of_its_layout(multi30k_dir, tmp_path, monkeypatch, capsys):
-    from conftest import cli_arguments, mini_run
-
-    from vaswani_transformer.cli import main
-
     write_wmt14_layout(tmp_path / "wmt14", multi30k_dir, 400)
     monkeypatch.chdir(tmp_path)  # `--dataset wmt14` is read from ./wmt14, as `datasets.load_dataset` reads a folder
     arguments = cli_arguments(mini_run(tmp_path / "unused", tmp_path / "out", max_steps=2, eval_steps=2))
@@ -363,10 +351,6 @@ def test_the_wmt14_recipes_data_path_trains_from_a_dataset_of_its_layout(multi30
 def test_prepare_only_prepares_what_the_training_command_then_opens_and_touches_no_output(
     mini_corpus, tmp_path, capsys
 ):
-    from conftest import cli_arguments, mini_run
-
-    from vaswani_transformer.cli import main
-
     arguments = cli_arguments(
         mini_run(mini_corpus, tmp_path / "out", max_steps=1, data_cache_dir=str(tmp_path / "cache"))
     )
@@ -385,9 +369,7 @@ def test_a_streamed_dataset_gives_token_batches_of_every_pair_each_epoch_and_tra
     multi30k_dir, tmp_path, monkeypatch, tokenizer
 ):
     import datasets
-    from conftest import cli_arguments, mini_run
 
-    from vaswani_transformer.cli import main
     from vaswani_transformer.training.streaming import StreamedBatches
 
     write_wmt14_layout(tmp_path / "wmt14", multi30k_dir, 400)

@@ -19,6 +19,10 @@ call with more seeds or rows adds to the table.
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -228,6 +232,19 @@ def _run_pending(run: tuple[TrainingConfig, Row]) -> dict:
     return run_row(*run)  # a worker's task: one argument, by name, so that it pickles
 
 
+def _stop_with_parent() -> None:
+    # A worker's initializer. `Pool` terminates its workers only when the ablation's process leaves the pool's block;
+    # killed (SIGTERM, SIGKILL, out of memory) it never does, and each worker would train on into the output
+    # directory, an orphan. The parent's sentinel becomes ready when it ends, however it ends.
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)  # as `Pool.terminate` stops a worker: it resumes from its checkpoint
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
+
+
 def _check_recipe(ablation: AblationConfig) -> None:
     # The first call records the recipe; a later one must give the same, else its rows are not comparable.
     recipe = {name: getattr(ablation.training, name) for name in RECIPE_FIELDS}
@@ -292,8 +309,10 @@ def run_ablation(ablation: AblationConfig, report: Callable[[str], None] = print
             finished(run_row(config, row))
     elif pending:
         # spawn: a fork would copy this process's torch threads and state. Leaving the block terminates the workers,
-        # so a stopped or failed ablation stops every run at once; each resumes from its last checkpoint.
-        with multiprocessing.get_context("spawn").Pool(ablation.processes, maxtasksperchild=1) as pool:
+        # so a stopped or failed ablation stops every run at once, as does its end by a signal (`_stop_with_parent`);
+        # each resumes from its last checkpoint.
+        spawn = multiprocessing.get_context("spawn")
+        with spawn.Pool(ablation.processes, _stop_with_parent, maxtasksperchild=1) as pool:
             threads = pending[0][0].threads
             report(f"{len(pending)} runs on {ablation.processes} processes of {threads} threads each")
             for result in pool.imap_unordered(_run_pending, pending):
