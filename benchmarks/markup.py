@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmark_common import commit_measured, load_average, machine, report_stem, write_report  # noqa: E402
 from lxml import etree  # noqa: E402
 
-from vaswani_transformer.inference.engines import Engine, TorchEngine, load_translator  # noqa: E402
+from vaswani_transformer.inference.engines import Engine, Glossaries, TorchEngine, load_translator  # noqa: E402
 from vaswani_transformer.inference.translation import translate  # noqa: E402
 
 try:
@@ -127,7 +127,9 @@ class _Remembered(Engine):
         self.source_limit, self.limit_name = engine.source_limit, engine.limit_name
         self.engine, self.memory = engine, memory
 
-    def translate(self, sentences: list[str]) -> list[str]:
+    def translate(self, sentences: list[str], glossary: Glossaries = None) -> list[str]:
+        if glossary is not None:  # the memory holds translations without terms
+            return self.engine.translate(sentences, glossary)
         missing = [s for s in sentences if s not in self.memory and s.strip()]
         self.memory.update(zip(missing, self.engine.translate(missing), strict=True))
         return [self.memory.get(s, "") for s in sentences]

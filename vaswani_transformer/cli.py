@@ -112,16 +112,10 @@ def _add_training_options(train: argparse.ArgumentParser, skip: Collection[str] 
     _add_config_options(train, TrainingConfig, {"corpus": corpus}, skip)
 
 
-# `train` options that `ablate` sets itself for every run (experiments.ablation.run_config).
-_ABLATION_SETS = (
-    "resume", "average_last", "keep_checkpoints", "choose_num_beams", "choose_length_penalty", "prepare_only",
-)  # fmt: skip
-
-
 def _add_ablation_options(ablate: argparse.ArgumentParser) -> None:
-    from .experiments.ablation import AblationConfig
+    from .experiments.ablation import RUN_SETTINGS, AblationConfig
 
-    _add_training_options(ablate, skip=_ABLATION_SETS)
+    _add_training_options(ablate, skip=tuple(RUN_SETTINGS))
     _add_config_options(ablate, AblationConfig, {})
 
 

@@ -96,22 +96,46 @@ def wait_for(condition, seconds: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def training_ablation(corpus, output_dir: Path) -> tuple[subprocess.Popen, list[int]]:
+    """`ablate` in a process of its own, two runs on two workers, once both train; and the workers' ids."""
+    arguments = ablate(corpus, output_dir, "--base-seeds", "1", "--processes", "2", "--threads", "1")
+    arguments[arguments.index("--max-steps") + 1] = "100000"  # still training when it is stopped
+    ablation = subprocess.Popen([sys.executable, "-m", "vaswani_transformer.cli", *arguments],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: len(list(output_dir.glob("*-seed1/training_log.jsonl"))) == 2, 300, "both runs training")
+    workers = [pid for pid in children(ablation.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return ablation, workers
+
+
+def stop_all(ablation: subprocess.Popen, workers: list[int]) -> None:
+    ablation.kill()
+    for pid in filter(running, workers):  # what a failed test leaves would train on beside the next tests
+        os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a process's children from Linux's /proc")
 def test_the_runs_stop_when_the_ablation_is_killed_and_none_trains_on_as_an_orphan(mini_corpus, tmp_path):
-    output_dir = tmp_path / "table3"
-    arguments = ablate(mini_corpus, output_dir, "--base-seeds", "1", "--processes", "2", "--threads", "1")
-    arguments[arguments.index("--max-steps") + 1] = "100000"  # still training when it is killed
-    ablation = subprocess.Popen([sys.executable, "-m", "vaswani_transformer.cli", *arguments],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    workers = []
+    ablation, workers = training_ablation(mini_corpus, tmp_path / "table3")
     try:
-        wait_for(lambda: len(list(output_dir.glob("*-seed1/training_log.jsonl"))) == 2, 300, "both runs training")
-        workers = [pid for pid in children(ablation.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(workers) == 2
         ablation.kill()  # SIGKILL: the parent does nothing on its way out, so only the workers' own watch stops them
         ablation.wait()
         wait_for(lambda: not any(running(pid) for pid in workers), 60, "the workers' end")
     finally:
-        ablation.kill()
-        for pid in filter(running, workers):  # what a failed test leaves would train on beside the next tests
-            os.kill(pid, signal.SIGKILL)
+        stop_all(ablation, workers)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a process's children from Linux's /proc")
+def test_a_worker_killed_mid_run_stops_the_ablation_in_one_line_instead_of_a_wait_without_end(mini_corpus, tmp_path):
+    ablation, workers = training_ablation(mini_corpus, tmp_path / "table3")
+    try:
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer ends a process
+        _, err = ablation.communicate(timeout=120)
+        assert ablation.returncode == 2, err[-3000:]
+        # One line, though a progress bar may stand before it on the terminal's line.
+        assert err.count("vaswani-transformer ablate: error: A worker process ended without its run's result") == 1
+        assert "Traceback" not in err, err[-3000:]
+        wait_for(lambda: not any(running(pid) for pid in workers), 60, "the other worker's end")
+    finally:
+        stop_all(ablation, workers)

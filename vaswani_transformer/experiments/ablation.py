@@ -19,12 +19,12 @@ call with more seeds or rows adds to the table.
 import json
 import math
 import multiprocessing
-import multiprocessing.connection
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -41,11 +41,18 @@ from ..utils.files import ensure_writable, read_log, write_text_atomically
 from ..utils.options import option
 from ..utils.plotting import pyplot
 from .report import write_report
-from .table3 import BASE, Row, select_rows, table3_rows
+from .table3 import BASE, GROUPS, Row, select_rows, table3_rows
 
 # What makes the runs of one ablation comparable: the recipe every row trains with. A later call into the same
 # directory must give the same, or its rows would be read against rows trained otherwise.
-RECIPE_FIELDS = tuple(name for name in RUN_FIELDS if name != "seed") + ("max_steps", "max_minutes", "bleu_sentences")
+RECIPE_FIELDS = tuple(name for name in RUN_FIELDS if name != "seed") + (
+    "max_steps", "max_minutes", "eval_steps", "early_stopping_patience", "skip_nonfinite", "tokenizer", "vocab_size",
+    "tokenizer_sample",
+)  # fmt: skip
+# The `train` settings every run has whatever the call gives (`run_config`): no `ablate` option sets them.
+RUN_SETTINGS = dict(
+    resume=True, average_last=1, keep_checkpoints=1, choose_num_beams=[], choose_length_penalty=[], prepare_only=False
+)
 RECORD = "ablation.json"
 
 
@@ -57,7 +64,8 @@ class AblationConfig:
     `training.model_overrides` the base model the rows are scaled to (`table3.table3_rows`).
 
     Raises:
-        ValueError: a count that is not positive, `base_seeds` below `seeds`, or no `bleu_sentences` to score BLEU on.
+        ValueError: a count that is not positive, `base_seeds` below `seeds`, no `bleu_sentences` to score BLEU on,
+            or `curves` no group of rows.
     """
 
     training: TrainingConfig
@@ -96,6 +104,8 @@ class AblationConfig:
                 "ablate scores every row by validation BLEU: give --bleu-sentences N (the first N validation "
                 "sentences; e.g. 1014, all of Multi30k's)."
             )
+        if self.curves not in GROUPS[1:]:
+            raise ValueError(f"--curves must be a group of rows, one of {', '.join(GROUPS[1:])}; got {self.curves!r}.")
 
 
 def run_config(ablation: AblationConfig, row: Row, seed: int) -> TrainingConfig:
@@ -117,12 +127,7 @@ def run_config(ablation: AblationConfig, row: Row, seed: int) -> TrainingConfig:
         output_dir=str(Path(recipe.output_dir) / f"{row.name}-seed{seed}"),
         seed=seed,
         model_overrides={**recipe.model_overrides, **row.overrides},
-        resume=True,
-        average_last=1,
-        keep_checkpoints=1,
-        choose_num_beams=[],
-        choose_length_penalty=[],
-        prepare_only=False,
+        **RUN_SETTINGS,
     )
 
 
@@ -228,21 +233,43 @@ def run_row(config: TrainingConfig, row: Row) -> dict:
         return score_run(config, row, time.monotonic() - started)
 
 
-def _run_pending(run: tuple[TrainingConfig, Row]) -> dict:
-    return run_row(*run)  # a worker's task: one argument, by name, so that it pickles
-
-
-def _stop_with_parent() -> None:
-    # A worker's initializer. `Pool` terminates its workers only when the ablation's process leaves the pool's block;
-    # killed (SIGTERM, SIGKILL, out of memory) it never does, and each worker would train on into the output
-    # directory, an orphan. The parent's sentinel becomes ready when it ends, however it ends.
+def _start_worker() -> None:
+    # A worker's initializer. Ctrl-C reaches every process of the terminal's group: the parent alone handles it, and
+    # stops the workers (`run_ablation`). Killed (SIGTERM, SIGKILL, out of memory), the parent stops nothing, and each
+    # worker would train on into the output directory, an orphan: the parent's sentinel is ready when it ends,
+    # however it ends, and the worker then stops as `terminate` would have stopped it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
 
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)  # as `Pool.terminate` stops a worker: it resumes from its checkpoint
+        parent.join()
+        signal.raise_signal(signal.SIGTERM)
 
     threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
+
+
+def _run_on_workers(
+    pending: list[tuple[TrainingConfig, Row]], processes: int, finished: Callable[[dict], None]
+) -> None:
+    # spawn: a fork would copy this process's torch threads and state. A failed, stopped or interrupted call stops
+    # every run at once; each resumes from its last checkpoint at the next call.
+    before = set(multiprocessing.active_children())
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, spawn, _start_worker, max_tasks_per_child=1) as pool:
+        try:
+            for future in as_completed([pool.submit(run_row, config, row) for config, row in pending]):
+                finished(future.result())
+        except BrokenProcessPool as error:
+            raise BrokenProcessPool(
+                "A worker process ended without its run's result (killed, or out of memory?): run the same command "
+                "again to go on (finished runs are skipped, a stopped one resumes from its last checkpoint); give "
+                "fewer --processes where memory is short."
+            ) from error
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in set(multiprocessing.active_children()) - before:
+                worker.terminate()
+            raise
 
 
 def _check_recipe(ablation: AblationConfig) -> None:
@@ -278,6 +305,7 @@ def run_ablation(ablation: AblationConfig, report: Callable[[str], None] = print
             without a validation split; or as `train` raises.
         OSError: the output directory cannot be written; or as `train` raises.
         ImportError: matplotlib is missing (the `plot` extra), before any training.
+        BrokenProcessPool: with `processes` above 1, a worker process ended without its run's result.
     """
     pyplot()
     recipe = ablation.training
@@ -308,13 +336,6 @@ def run_ablation(ablation: AblationConfig, report: Callable[[str], None] = print
             report(f"{row.name} seed {config.seed}: training")
             finished(run_row(config, row))
     elif pending:
-        # spawn: a fork would copy this process's torch threads and state. Leaving the block terminates the workers,
-        # so a stopped or failed ablation stops every run at once, as does its end by a signal (`_stop_with_parent`);
-        # each resumes from its last checkpoint.
-        spawn = multiprocessing.get_context("spawn")
-        with spawn.Pool(ablation.processes, _stop_with_parent, maxtasksperchild=1) as pool:
-            threads = pending[0][0].threads
-            report(f"{len(pending)} runs on {ablation.processes} processes of {threads} threads each")
-            for result in pool.imap_unordered(_run_pending, pending):
-                finished(result)
+        report(f"{len(pending)} runs on {ablation.processes} processes of {pending[0][0].threads} threads each")
+        _run_on_workers(pending, ablation.processes, finished)
     return write_report(output_dir, ablation.curves)
