@@ -360,11 +360,17 @@ class BeamSearch:
         scores, ids = top_k(candidates, min(self.num_candidates, candidates.shape[1]))
         sentence_rows = torch.arange(sentences, device=ids.device)[:, None]
         rows, tokens = ids // vocab_size + sentence_rows * beams, ids % vocab_size
-        if processed is model_log_probs:  # added to in place: the scores' own increments are the model's
-            log_probs = scores + (self.log_probs - self.scores).view(-1)[rows]
-        else:
-            log_probs = self.log_probs.view(-1)[rows] + model_log_probs[rows, tokens]
-        return scores, log_probs, rows, tokens
+        return scores, self._path_log_probs(processed, model_log_probs, scores, rows, tokens), rows, tokens
+
+    def _path_log_probs(
+        self, processed: Tensor, model_log_probs: Tensor, scores: Tensor, rows: Tensor, tokens: Tensor
+    ) -> Tensor:
+        # log P(Y|X) of the candidates that extend running `rows` by `tokens`, scored `scores` (`processed` plus their
+        # beams' scores). Where no processor changed the log-probabilities, `processed` was added to in place and the
+        # scores' own increments are the model's; processors therefore never change their input in place.
+        if processed is model_log_probs:
+            return scores + (self.log_probs - self.scores).view(-1)[rows]
+        return self.log_probs.view(-1)[rows] + model_log_probs[rows, tokens]
 
     def _finish(
         self, length: int, scores: Tensor, log_probs: Tensor, rows: Tensor, tokens: Tensor, ends: Tensor

@@ -14,8 +14,8 @@ from transformers.generation import LogitsProcessor
 
 from .beam_search_vaswani import BeamSearch, top_k
 
-# What a hypothesis that ends without all its terms loses from its score (`ConstrainedBeamSearch`): more than any
-# log-probability of a translation, less than the -1e9 that marks no hypothesis.
+# What a hypothesis that ends without all its terms loses from its score (`ConstrainedBeamSearch`), in nats as the
+# scores are: more than any log-probability of a translation, less than the -1e9 that marks no hypothesis.
 UNMET_TERMS_PENALTY = 1.0e4
 
 
@@ -47,6 +47,7 @@ class LexicalConstraints(LogitsProcessor):
         suffix_ids: torch.Tensor | None = None,
     ) -> None:
         self.tokens, self.lengths, self.eos_token_id, self.suffix_ids = tokens, lengths, eos_token_id, suffix_ids
+        self.step_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `__call__`'s last `state`
 
     @classmethod
     def from_ids(
@@ -57,7 +58,7 @@ class LexicalConstraints(LogitsProcessor):
         suffix_ids: list[int] | None = None,
     ) -> "LexicalConstraints":
         """The constraints of a batch: `terms[i]`, sentence i's terms, each a non-empty list of token ids, kept on
-        `device` (the decoder's); `suffix_ids` as the class takes them."""
+        `device` (the decoder's); `eos_token_id` an id or `(n,)` ids; `suffix_ids` as the class takes them."""
         count = max(1, max(map(len, terms), default=0))
         longest = max(1, max((len(term) for each in terms for term in each), default=0))
         tokens = torch.full((len(terms), count, longest), -1, dtype=torch.long)
@@ -116,7 +117,8 @@ class LexicalConstraints(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """`scores` `(batch * beams, vocab)` with `</s>` at -inf in the rows of `input_ids` that lack a term, and the
         `suffix_ids` in those that end with one."""
-        met, _, closing = self.state(input_ids)
+        self.step_state = self.state(input_ids)  # kept for `ConstrainedBeamSearch`, which reads this step's too
+        met, _, closing = self.step_state
         unmet = (~met.all(dim=1)).nonzero()
         closing = closing.nonzero() if self.suffix_ids is not None else closing[:0, None]
         if not len(unmet) and not len(closing):
@@ -153,8 +155,10 @@ class ConstrainedBeamSearch(BeamSearch):
         # the beams take them (invalid ones last, at -inf).
         processed, model_log_probs = self._log_probs(length)
         (sentences, beams), vocab_size = self.scores.shape, processed.shape[-1]
-        constraints = next(p for p in self.logits_processor if isinstance(p, LexicalConstraints))
-        met, begun, _ = constraints.state(self.sequences[:, :length])
+        constraints = next((p for p in self.logits_processor if isinstance(p, LexicalConstraints)), None)
+        if constraints is None:
+            raise ValueError("ConstrainedBeamSearch needs a LexicalConstraints among its logits processors.")
+        met, begun, _ = constraints.step_state  # of `self.sequences[:, :length]`, as `_log_probs` just processed them
         terms, lengths = constraints.per_row(processed.shape[0], processed.device)
         positions = torch.arange(terms.shape[-1], device=terms.device)
         device = processed.device
@@ -179,10 +183,7 @@ class ConstrainedBeamSearch(BeamSearch):
         )
         rows = pool_beams + torch.arange(sentences, device=device)[:, None] * beams
         scores = candidates.gather(1, pool_beams * vocab_size + pool_tokens)
-        if processed is model_log_probs:  # added to in place, as in `BeamSearch._candidates`
-            log_probs = scores + (self.log_probs - self.scores).view(-1)[rows]
-        else:
-            log_probs = model_log_probs[rows, pool_tokens] + self.log_probs.view(-1)[rows]
+        log_probs = self._path_log_probs(processed, model_log_probs, scores, rows, pool_tokens)
         # A candidate counts once, its first copy kept (a continuation among the best before a term's token).
         keys = torch.where(
             allowed, pool_beams * vocab_size + pool_tokens, -1 - torch.arange(rows.shape[1], device=device)

@@ -330,7 +330,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         generation_config: GenerationConfig,
         synced_gpus: bool = False,
         **model_kwargs,
-    ) -> torch.LongTensor:
+    ) -> torch.LongTensor | GenerateOutput:
         # By now `generate` has merged the generation config, encoded the source once, copied it to
         # every beam and built the logits processors; only the search loop is replaced, and only for
         # the plain beam search of §6.1. Scores, attentions, sampling and the like stay with HF's loop.
@@ -367,7 +367,9 @@ def _lexical_constraints(
 ) -> LexicalConstraints | None:
     # `generate`'s glossary_ids, checked, as the processor that carries them to `_beam_search`; None where no
     # sentence has a term (the call is then the call without them).
-    batch = None if source is None else source.shape[0]
+    if source is None:
+        raise ValueError("glossary_ids need the source as input_ids (token ids), not as inputs_embeds.")
+    batch = source.shape[0]
     if not isinstance(glossary_ids, (list, tuple)) or len(glossary_ids) != batch:
         got = f"{len(glossary_ids)} lists" if isinstance(glossary_ids, (list, tuple)) else repr(glossary_ids)
         raise ValueError(
@@ -375,13 +377,13 @@ def _lexical_constraints(
             f"a sentence without; got {got}."
         )
     eos = kwargs.get("eos_token_id", config.eos_token_id)
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     for sentence, terms in enumerate(glossary_ids):
         if not isinstance(terms, (list, tuple)):
             raise ValueError(f"glossary_ids[{sentence}] = {terms!r}: give a list of terms ([] for none).")
         for number, term in enumerate(terms):
             if not (isinstance(term, (list, tuple)) and term) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size and t not in eos for t in term
+                not _not_a(int, t) and 0 <= t < vocab_size and t not in eos for t in term
             ):
                 raise ValueError(
                     f"glossary_ids[{sentence}][{number}] = {term!r}: a term is a non-empty list of token ids "
@@ -390,8 +392,7 @@ def _lexical_constraints(
     if not any(glossary_ids):
         return None
     if suffix_ids is not None and not (
-        isinstance(suffix_ids, (list, tuple))
-        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in suffix_ids)
+        isinstance(suffix_ids, (list, tuple)) and all(not _not_a(int, t) and 0 <= t < vocab_size for t in suffix_ids)
     ):
         raise ValueError(
             f"glossary_suffix_ids must be a list of token ids below the vocabulary size {vocab_size}; got "

@@ -167,7 +167,7 @@ def scaled_dot_product_attention(
         attention_mask: additive float mask broadcastable to `(batch, heads, target_len, source_len)`,
             0 where attending is allowed and the dtype's minimum where it is not; or a boolean mask,
             True where attending is allowed (the SDPA format); or None.
-        scaling: 1 / sqrt(d_k).
+        scaling: 1 / sqrt(d_k) (Eq. 1), or 1.0 with `scale_attention=False` (the unscaled row, `experiments.table3`).
         dropout: dropout probability on the weights.
 
     Returns:
