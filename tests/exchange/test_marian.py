@@ -1,6 +1,7 @@
 """Import of HF MarianMTModel: an independent implementation, matched logit for logit and beam for beam."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, Mar
 from vaswani_transformer import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_transformer.cli import main
 from vaswani_transformer.exchange.marian import from_marian, marian_to_interleaved_permutation, to_marian
+from vaswani_transformer.inference.engines import TorchEngine
+from vaswani_transformer.inference.translation import translate
 from vaswani_transformer.model.layers_vaswani import SinusoidalPositionalEncoding
 
 
@@ -95,7 +98,7 @@ def test_converted_marian_matches_on_every_multi30k_test_sentence(tokenizer, cor
         assert torch.equal(ours.generate(**inputs, num_beams=4, max_new_tokens=12), expected), start
 
 
-def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, corpus, capsys):
+def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, corpus, capsys, caplog):
     import sentencepiece as spm
     from transformers import MarianTokenizer
 
@@ -155,6 +158,16 @@ def test_convert_marian_command_keeps_marians_tokenizer_and_decoding(tmp_path, c
     assert torch.equal(converted.generate(**inputs), marian.generate(**inputs))
     paper = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "paper")
     assert paper.generation_config.length_penalty_type == "gnmt" and paper.generation_config.num_beams == 4
+
+    # Marian's tokenizer is a slow one, with no offsets to align words by: HTML is translated with its markup placed
+    # by word order, and alignments are refused in one line.
+    engine = TorchEngine(converted, converted_tokenizer)
+    with caplog.at_level(logging.WARNING, logger="vaswani_transformer.inference.alignment"):
+        [html] = translate(engine, converted_tokenizer, ["<p>A <b>dog</b> runs.</p>"], text_format="html")
+    assert html.startswith("<p>") and html.endswith("</p>") and html.count("<b>") == html.count("</b>") == 1
+    assert "MarianTokenizer is a slow tokenizer" in caplog.text
+    with pytest.raises(ValueError, match="Cannot align words: MarianTokenizer is a slow tokenizer"):
+        translate(engine, converted_tokenizer, sentences[:1], alignments=True)
 
 
 @pytest.mark.parametrize(

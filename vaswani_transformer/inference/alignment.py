@@ -46,16 +46,21 @@ class Aligner:
 
     Args:
         model, tokenizer: a translator (`engines.load_translator`); attention "sdpa" (the default) or "eager",
-            which give the weights (`output_attentions=True`).
+            which give the weights (`output_attentions=True`); a fast tokenizer, whose offsets map tokens to words.
         layer: the decoder layer, from 0; negative counts from the top (-1, the last).
 
     Raises:
-        ValueError: `layer` is not a layer of the model.
+        ValueError: `layer` is not a layer of the model, or the tokenizer is a slow one (no offsets).
     """
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, layer: int = ALIGNMENT_LAYER
     ) -> None:
+        if not tokenizer.is_fast:
+            raise ValueError(
+                f"Aligning words takes a fast tokenizer, whose offsets map tokens to words; {type(tokenizer).__name__} "
+                "is a slow one (a converted Marian model's)."
+            )
         layers = model.config.decoder_layers
         if not -layers <= layer < layers:
             raise ValueError(
@@ -169,18 +174,25 @@ def needed_aligner(engine: Engine, aligner: Aligner | None, text_format: str, al
     """The aligner a translation call needs (`translation.translate`'s arguments), or None: HTML's markup and
     `alignments` take one, by default the torch engine's own model (`aligner_for`).
 
-    Without one for HTML (another engine, and no `aligner`), one warning (logged) says that the markup is placed by
-    word order.
+    Without one for HTML (another engine, or a slow tokenizer, as a converted Marian model's, and no `aligner`), one
+    warning (logged) says that the markup is placed by word order.
 
     Raises:
-        ValueError: `alignments` for HTML, or without an aligner for an engine other than torch's.
+        ValueError: `alignments` for HTML, or without an aligner for an engine other than torch's or for a slow
+            tokenizer.
     """
     if alignments and text_format == "html":
         raise ValueError("alignments count the words of text: translate HTML without them (its markup takes them).")
     if not alignments and text_format != "html":
         return None
-    if aligner is None and isinstance(engine, TorchEngine):
+    if aligner is None and isinstance(engine, TorchEngine) and engine.tokenizer.is_fast:
         aligner = aligner_for(engine)
+    if aligner is None and not engine.tokenizer.is_fast:
+        why = f"{type(engine.tokenizer).__name__} is a slow tokenizer: it gives no offsets to map tokens to words"
+        if alignments:
+            raise ValueError(f"Cannot align words: {why}. Translate without alignments.")
+        logger.warning(f"Inline markup is placed by word order: {why}.")
+        return None
     if aligner is None and alignments:
         raise ValueError(
             "alignments come from the torch model's attention: give aligner=alignment.aligner_for(engine, model_dir) "
