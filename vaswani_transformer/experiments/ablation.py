@@ -134,6 +134,12 @@ def run_config(ablation: AblationConfig, row: Row, seed: int) -> TrainingConfig:
 def planned_runs(ablation: AblationConfig) -> list[tuple[Row, int]]:
     """Every (row, seed) the ablation asks for, first seeds first: a stopped call leaves whole rows, not seeds.
 
+    Args:
+        ablation: the ablation.
+
+    Returns:
+        `(row, seed)` pairs: `seeds` of every row and `base_seeds` of the base row, seeds from `training.seed` up.
+
     Raises:
         ValueError: `rows` names no row here (`table3.select_rows`), or the base model is impossible.
     """
@@ -167,7 +173,7 @@ def score_run(config: TrainingConfig, row: Row, wall_seconds: float | None) -> d
     validations = [record for record in records if "validation_bleu" in record]
     if not validations:
         raise ValueError(f"{output_dir} logged no validation BLEU: ablate needs a validation split (val.<lang>).")
-    model, tokenizer = load_translator(str(output_dir))
+    model, _ = load_translator(str(output_dir))  # the corpus its recipe pins holds the tokenizer (RECIPE_FIELDS)
     accelerator = start_accelerator(replace(config, mixed_precision="no", report_to=[]), launched_on_cpus=False)
     files = corpus_fingerprint(config.data, config.source_lang, config.target_lang, config.files)
     corpus = prepare_corpus(config, run_tokenizer(config, resuming=False), files)  # the prepared one, opened

@@ -121,7 +121,18 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot_scores(rows: list[dict], path: Path) -> Path:
-    """BLEU and perplexity of every row (x), each seed a point and the mean a bar, the base's spread a band."""
+    """BLEU and perplexity of every row (x), each seed a point and the mean a bar, the base's spread a band.
+
+    Args:
+        rows: `table3.json`'s rows (`write_report`), each with its runs' results.
+        path: the PNG to write.
+
+    Returns:
+        `path`.
+
+    Raises:
+        ImportError: matplotlib is missing (the `plot` extra).
+    """
     plt = pyplot()
     figure, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.45 * len(rows) + 2), 6), sharex=True)
     for axis, key, label in zip(axes, ("validation_bleu", "validation_perplexity"),
@@ -144,7 +155,20 @@ def plot_scores(rows: list[dict], path: Path) -> Path:
 
 
 def plot_curves(output_dir: Path, rows: list[dict], group: str, path: Path) -> Path:
-    """Validation BLEU and cross entropy against steps of the base row's and `group`'s runs, from their logs."""
+    """Validation BLEU and cross entropy against steps of the base row's and `group`'s runs, from their logs.
+
+    Args:
+        output_dir: the ablation's directory, which holds each run's `training_log.jsonl`.
+        rows: `table3.json`'s rows (`write_report`).
+        group: the row group drawn beside the base row ("A", ..., "U").
+        path: the PNG to write.
+
+    Returns:
+        `path`.
+
+    Raises:
+        ImportError: matplotlib is missing (the `plot` extra).
+    """
     plt = pyplot()
     figure, (bleu_axis, loss_axis) = plt.subplots(1, 2, figsize=(11, 4))
     chosen = [row for row in rows if row["row"] == BASE or row["group"] == group]
